@@ -1,0 +1,188 @@
+"""`fedtrain` command line: simulate | demo | server | client | ca.
+
+The CLI parses flags, sets up logging and turns `FedtrainError`s into one clear line
+and exit status 2; the work itself lives in the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fedtrain.config import from_dict, load_toml
+from fedtrain.errors import FedtrainError
+
+log = logging.getLogger("fedtrain.cli")
+
+DIGITS_DEMO = {
+    "task": "fedtrain.examples:DigitsTask",
+    "rounds": 10,
+    "num_clients": 4,
+    "partition": {"kind": "dirichlet", "alpha": 0.5},
+    "strategy": {"min_fit_clients": 4, "min_available_clients": 4},
+    "client": {"epochs": 2, "batch_size": 16, "lr": 0.02, "momentum": 0.9},
+}
+
+
+def setup_logging(verbose: bool = False, json_lines: bool = False) -> None:
+    """Rich handler in a terminal, plain lines otherwise (libraries never print)."""
+    level = logging.DEBUG if verbose else logging.INFO
+    root = logging.getLogger()
+    root.handlers.clear()
+    if json_lines:
+        from fedtrain.observability.logs import JsonFormatter
+
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter())
+    elif sys.stderr.isatty():
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, rich_tracebacks=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(level)
+    logging.getLogger("fedtrain").setLevel(level)
+
+
+# -- simulate ---------------------------------------------------------------------------
+def _sim_config(raw: dict, args: argparse.Namespace):
+    from fedtrain.simulation import SimConfig
+
+    raw = dict(raw)
+    for key in ("task", "rounds", "num_clients", "seed", "run_dir", "device"):
+        value = getattr(args, key, None)
+        if value is not None:
+            raw[key] = value
+    return from_dict(SimConfig, raw)
+
+
+def run_sim(config, title: str) -> float | None:
+    """Run a simulation with a live progress display; returns the final accuracy."""
+    from fedtrain.observability.progress import RoundProgress
+    from fedtrain.simulation import run_simulation
+
+    with RoundProgress(config.rounds, title) as progress:
+        result = run_simulation(config, on_round=progress.update)
+    acc = result.final_accuracy
+    log.info("run directory: %s", Path(config.run_dir).resolve())
+    return acc
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    raw = load_toml(args.config) if args.config else {}
+    config = _sim_config(raw, args)
+    acc = run_sim(config, "simulate")
+    print(f"final accuracy: {acc:.4f}" if acc is not None else "finished (no test set)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Digits across 4 clients. Until the gRPC runtime lands this is the inline simulation."""
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="fedtrain-demo-")
+    raw = {**DIGITS_DEMO, "run_dir": run_dir}
+    if args.rounds is not None:
+        raw["rounds"] = args.rounds
+    from fedtrain.simulation import SimConfig
+
+    config = from_dict(SimConfig, raw)
+    acc = run_sim(config, "demo")
+    print(f"final accuracy: {acc:.4f}")
+    return 0
+
+
+# -- ca ----------------------------------------------------------------------------------
+def cmd_ca(args: argparse.Namespace) -> int:
+    from fedtrain.runtime import tls
+
+    if args.ca_command == "init":
+        path = tls.init_ca(args.ca_dir, name=args.name, days=args.days)
+        print(f"created federation CA {path} (keep {Path(args.ca_dir) / tls.CA_KEY} secret)")
+    elif args.ca_command == "issue-server":
+        cert, key = tls.issue_server(args.ca_dir, args.out, args.hostname, days=args.days)
+        print(f"issued server certificate {cert} and key {key}")
+    elif args.ca_command == "issue-site":
+        cert, key = tls.issue_site(args.ca_dir, args.out, args.name, days=args.days)
+        print(f"issued site certificate {cert} and key {key}; give the site its folder {args.out}")
+    else:  # check
+        info = tls.check_certificate(args.cert, args.ca, purpose=args.purpose, key_path=args.key)
+        print(
+            f"{info.path}: {info.purpose} certificate for {info.common_name}, valid "
+            f"{info.not_valid_before:%Y-%m-%d} to {info.not_valid_after:%Y-%m-%d}, OK"
+        )
+    return 0
+
+
+# -- parser ----------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedtrain", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--log-json", action="store_true", help="JSON-lines logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="run virtual clients on this machine")
+    sim.add_argument("--config", type=Path, help="sim.toml (see simulations/)")
+    sim.add_argument("--task", help="override `task`, e.g. fedtrain.examples:BreastCancerTask")
+    sim.add_argument("--rounds", type=int, help="override `rounds`")
+    sim.add_argument("--num-clients", dest="num_clients", type=int, help="override `num_clients`")
+    sim.add_argument("--seed", type=int, help="override `seed`")
+    sim.add_argument("--run-dir", dest="run_dir", help="override `run_dir`")
+    sim.add_argument("--device", help="override `device`")
+    sim.set_defaults(func=cmd_simulate)
+
+    demo = sub.add_parser("demo", help="federate the digits CNN across 4 sites")
+    demo.add_argument("--rounds", type=int, help="number of rounds (default 10)")
+    demo.add_argument("--run-dir", dest="run_dir", help="keep the run here (default: a temp dir)")
+    demo.set_defaults(func=cmd_demo)
+
+    ca = sub.add_parser("ca", help="federation certificate authority")
+    ca_sub = ca.add_subparsers(dest="ca_command", required=True)
+    init = ca_sub.add_parser("init", help="create a new federation CA")
+    init.add_argument("--ca-dir", required=True, type=Path)
+    init.add_argument("--name", default="fedtrain-federation-ca")
+    init.add_argument("--days", type=int, default=3650)
+    srv = ca_sub.add_parser("issue-server", help="certificate for the aggregation server")
+    srv.add_argument("--ca-dir", required=True, type=Path)
+    srv.add_argument(
+        "--hostname",
+        action="append",
+        required=True,
+        help="DNS name or IP sites dial (repeat for several)",
+    )
+    srv.add_argument("--out", type=Path, required=True, help="folder for server.crt/.key")
+    srv.add_argument("--days", type=int, default=825)
+    site = ca_sub.add_parser("issue-site", help="certificate for one site")
+    site.add_argument("--ca-dir", required=True, type=Path)
+    site.add_argument("--name", required=True, help="the site's name (on the allow-list)")
+    site.add_argument("--out", type=Path, required=True, help="folder for SITE.crt/.key")
+    site.add_argument("--days", type=int, default=825)
+    check = ca_sub.add_parser("check", help="check a certificate against the CA")
+    check.add_argument("--cert", required=True, type=Path)
+    check.add_argument("--ca", required=True, type=Path, help="ca.crt")
+    check.add_argument("--key", type=Path, help="also check that this key matches")
+    check.add_argument("--purpose", choices=["server", "site"], default="site")
+    ca.set_defaults(func=cmd_ca)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose, args.log_json)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except FedtrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

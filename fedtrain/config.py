@@ -1,0 +1,140 @@
+"""TOML configuration parsed into typed dataclasses, in one place.
+
+Every key has a default and a one-line doc (field metadata) from which the config
+reference is generated. Unknown keys, wrong types and missing required keys are
+errors that name the key, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar, Union
+
+import tomllib
+
+from fedtrain.errors import ConfigError
+
+T = TypeVar("T")
+REQUIRED: Any = dataclasses.MISSING
+
+
+def option(default: Any = REQUIRED, doc: str = "", **kwargs: Any) -> Any:
+    """A config key with its documentation (mutable defaults are copied per instance)."""
+    meta = {"doc": doc}
+    if isinstance(default, dict | list):
+        value = default
+        return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta, **kwargs)
+
+
+def section(cls: type[T], doc: str = "") -> Any:
+    """A nested table, defaulting to the section's own defaults."""
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc})
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Build dataclass `cls` from a parsed TOML table, checking keys and types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'} must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {_key(where, unknown[0])}; known keys here: {', '.join(sorted(fields))}"
+        )
+    values = {}
+    for name, f in fields.items():
+        key = _key(where, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing required key {key}")
+            continue
+        values[name] = _convert(hints[name], data[name], key)
+    return cls(**values)
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} = {value!r} should be {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} should be a table, got {value!r}")
+        _, val_tp = typing.get_args(tp) or (str, Any)
+        return {k: _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} should be a list, got {value!r}")
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is typing.Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key} = {value!r} should be one of {list(typing.get_args(tp))}")
+        return value
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool):
+        raise ConfigError(f"{key} = {value!r} should be {tp.__name__}, not a boolean")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key} = {value!r} should be {tp.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _key(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
+
+
+def reference(cls: type, where: str = "") -> list[str]:
+    """Markdown lines documenting every key of a config dataclass (for docs and tests)."""
+    lines: list[str] = []
+    hints = typing.get_type_hints(cls)
+    nested = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            nested.append((f, tp))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = repr(f.default_factory())
+        else:
+            default = "required"
+        doc = f.metadata.get("doc", "")
+        lines.append(f"| `{_key(where, f.name)}` | {_type_name(tp)} | `{default}` | {doc} |")
+    for f, tp in nested:
+        lines.extend(reference(tp, _key(where, f.name)))
+    return lines

@@ -1,0 +1,49 @@
+"""Keep the README's config reference generated from the schema.
+
+    python -m fedtrain.docgen            # rewrite README.md's reference tables in place
+
+Each table sits between `<!-- reference:NAME:start -->` and `<!-- reference:NAME:end -->`;
+a test fails when a table differs from what the code says.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+from fedtrain.config import reference
+
+# marker name -> "module:ConfigClass"
+SECTIONS: dict[str, str] = {
+    "sim": "fedtrain.simulation.config:SimConfig",
+}
+
+HEADER = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+
+def table(name: str) -> str:
+    module, _, cls = SECTIONS[name].partition(":")
+    return "\n".join(HEADER + reference(getattr(importlib.import_module(module), cls)))
+
+
+def render(text: str) -> str:
+    """`text` with every reference table regenerated."""
+    for name in SECTIONS:
+        pattern = re.compile(
+            rf"(<!-- reference:{name}:start -->\n).*?(<!-- reference:{name}:end -->)", re.S
+        )
+        if not pattern.search(text):
+            raise ValueError(f"README has no reference:{name} markers")
+        text = pattern.sub(lambda m, n=name: m.group(1) + table(n) + "\n" + m.group(2), text)
+    return text
+
+
+def main(path: str = "README.md") -> None:
+    readme = Path(path)
+    readme.write_text(render(readme.read_text()))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

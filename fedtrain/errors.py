@@ -1,0 +1,44 @@
+"""One small error hierarchy for the whole library.
+
+Every message says what was wrong, where (key, site, round, tensor) and what to do,
+so an operator can act on it without reading the code.
+"""
+
+from __future__ import annotations
+
+
+class FedtrainError(Exception):
+    """Base class of every error fedtrain raises on purpose."""
+
+
+class ConfigError(FedtrainError, ValueError):
+    """A configuration file or flag is invalid (unknown key, wrong type, bad value)."""
+
+
+class TensorStreamError(FedtrainError, ValueError):
+    """A chunked tensor stream is malformed: unknown or duplicate names, wrong dtype or
+    shape, bad offsets, truncated or oversized data."""
+
+
+class UpdateRejected(FedtrainError):
+    """A site's update was refused (wrong shapes/dtypes, NaN/Inf, stale round, ...).
+
+    The global model is never touched by a rejected update.
+    """
+
+
+class ProtocolError(FedtrainError):
+    """A peer broke the federation protocol (unexpected message, unknown site, ...)."""
+
+
+class SecAggError(FedtrainError):
+    """Secure aggregation cannot proceed (bad parameters, too many dropouts, bad share)."""
+
+
+class TaskError(FedtrainError):
+    """A task could not be loaded or does not satisfy the Task protocol."""
+
+
+class CertificateError(FedtrainError):
+    """A TLS certificate or key is missing, unreadable, expired, not signed by the
+    federation CA, issued for another purpose, or does not match its key."""

@@ -1,0 +1,111 @@
+"""The run directory both drivers write: config used, metrics, checkpoints, final model.
+
+Layout (the runtime adds `audit.jsonl`):
+
+    RUN_DIR/config.json        the resolved config, every default filled in
+    RUN_DIR/metrics.jsonl      one JSON line per round
+    RUN_DIR/checkpoint.pt      latest round: model + strategy state + round (atomic)
+    RUN_DIR/model.pt           the final global model (tensors only)
+
+Files are replaced atomically (write to a temporary file, fsync, rename), so a crash
+at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedtrain.errors import ConfigError
+from fedtrain.tensors import ModelState
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(fileobj)` on a temp file beside `path`, fsync, then rename over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_state(path: Path, state: ModelState) -> None:
+    atomic_write(path, lambda f: torch.save(dict(state.items()), f))
+
+
+def load_state(path: Path) -> ModelState:
+    # weights_only: a model file never executes code when loaded.
+    return ModelState(torch.load(path, map_location="cpu", weights_only=True))
+
+
+class RunDir:
+    """One run's directory; see the module docstring for its files."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / "checkpoint.pt"
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / "model.pt"
+
+    def write_config(self, config: Mapping[str, Any]) -> None:
+        text = json.dumps(config, indent=2, sort_keys=True, default=str).encode()
+        atomic_write(self.path / "config.json", lambda f: f.write(text))
+
+    def log_metrics(self, record: Mapping[str, Any]) -> None:
+        """Append one round's line (append + flush: a crash loses at most that line)."""
+        with self.metrics_path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        with self.metrics_path.open(encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def save_checkpoint(
+        self,
+        server_round: int,
+        state: ModelState,
+        strategy_state: Mapping[str, Any],
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        payload = {
+            "round": server_round,
+            "model": dict(state.items()),
+            "strategy": dict(strategy_state),
+            "extra": dict(extra or {}),
+        }
+        atomic_write(self.checkpoint_path, lambda f: torch.save(payload, f))
+
+    def load_checkpoint(self) -> tuple[int, ModelState, dict[str, Any], dict[str, Any]]:
+        if not self.checkpoint_path.exists():
+            raise ConfigError(
+                f"no checkpoint in {self.path}: nothing to resume (start without --resume)"
+            )
+        payload = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+        return payload["round"], ModelState(payload["model"]), payload["strategy"], payload["extra"]
+
+    def save_model(self, state: ModelState) -> None:
+        save_state(self.model_path, state)

@@ -1,0 +1,177 @@
+"""Cryptographic primitives of secure aggregation, all from `cryptography`.
+
+* Key agreement: X25519. Every key derived from a shared secret goes through
+  HKDF-SHA256 over the *full* 32-byte secret with a purpose-, round- and pair-specific
+  ``info``, so the share-encryption key and the mask seed of one pair are independent.
+* Share encryption: AES-256-GCM, random 96-bit nonce, associated data
+  ``(round, sender, receiver)`` so a ciphertext cannot be replayed into another round
+  or reflected to another receiver.
+* Masks: the AES-256-CTR keystream keyed by the full 32-byte seed (zero nonce; every
+  seed keys exactly one stream), read as little-endian uint32 and added to or
+  subtracted from the target in place mod 2^32, chunk by chunk through a reused buffer.
+  A keystream of a uniformly random key is indistinguishable from uniform, so a masked
+  value is uniform in Z_{2^32}. Never a non-cryptographic RNG, never a folded seed.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from fedtrain.errors import SecAggError
+
+KEY_BYTES = 32
+SEED_BYTES = 32
+NONCE_BYTES = 12
+_INFO_PREFIX = b"fedtrain/secagg/v1/"
+_ZERO_COUNTER = bytes(16)
+_RAW = serialization.Encoding.Raw
+
+
+def new_seed() -> bytes:
+    """A fresh secret seed (the self-mask seed b_i) from the OS CSPRNG."""
+    return os.urandom(SEED_BYTES)
+
+
+class KeyPair:
+    """An X25519 key pair; the private half stays in this object (and in Shamir shares)."""
+
+    __slots__ = ("_private", "public")
+
+    def __init__(self, private: X25519PrivateKey) -> None:
+        self._private = private
+        self.public: bytes = private.public_key().public_bytes(_RAW, serialization.PublicFormat.Raw)
+
+    @classmethod
+    def generate(cls) -> KeyPair:
+        return cls(X25519PrivateKey.generate())
+
+    @classmethod
+    def from_private_bytes(cls, raw: bytes) -> KeyPair:
+        """Rebuild a key pair from its 32 raw private bytes (e.g. after Shamir recovery)."""
+        if len(raw) != KEY_BYTES:
+            raise SecAggError(f"X25519 private key must be {KEY_BYTES} bytes, got {len(raw)}")
+        return cls(X25519PrivateKey.from_private_bytes(raw))
+
+    def private_bytes(self) -> bytes:
+        """Raw private bytes; only ever Shamir-shared, never sent in the clear."""
+        return self._private.private_bytes(
+            _RAW, serialization.PrivateFormat.Raw, serialization.NoEncryption()
+        )
+
+    def exchange(self, peer_public: bytes) -> bytes:
+        """The full 32-byte X25519 shared secret with ``peer_public``."""
+        if len(peer_public) != KEY_BYTES:
+            raise SecAggError(
+                f"X25519 public key must be {KEY_BYTES} bytes, got {len(peer_public)}"
+            )
+        try:
+            return self._private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError as exc:  # all-zero shared secret: a low-order (malicious) key
+            raise SecAggError(f"key agreement failed: {exc}") from exc
+
+
+def _pair_info(purpose: bytes, round_id: int, a: int, b: int) -> bytes:
+    lo, hi = (a, b) if a < b else (b, a)
+    return _INFO_PREFIX + purpose + struct.pack("<QII", round_id, lo, hi)
+
+
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def share_key(shared_secret: bytes, round_id: int, a: int, b: int) -> bytes:
+    """AES-256-GCM key for the shares sent between sites ``a`` and ``b`` this round."""
+    return _hkdf(shared_secret, _pair_info(b"share-enc", round_id, a, b))
+
+
+def pair_mask_seed(shared_secret: bytes, round_id: int, a: int, b: int) -> bytes:
+    """Seed of the pairwise mask between sites ``a`` and ``b`` (symmetric in a, b)."""
+    return _hkdf(shared_secret, _pair_info(b"pair-mask", round_id, a, b))
+
+
+def _share_ad(round_id: int, sender: int, receiver: int) -> bytes:
+    return _INFO_PREFIX + b"share-ad" + struct.pack("<QII", round_id, sender, receiver)
+
+
+def encrypt_shares(
+    key: bytes, plaintext: bytes, round_id: int, sender: int, receiver: int
+) -> bytes:
+    """``nonce || AES-GCM(plaintext)`` bound to (round, sender, receiver)."""
+    nonce = os.urandom(NONCE_BYTES)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, _share_ad(round_id, sender, receiver))
+
+
+def decrypt_shares(
+    key: bytes, ciphertext: bytes, round_id: int, sender: int, receiver: int
+) -> bytes:
+    """Inverse of :func:`encrypt_shares`; any tampering raises SecAggError."""
+    if len(ciphertext) < NONCE_BYTES + 16:
+        raise SecAggError(
+            f"round {round_id}: share ciphertext from site {sender} to {receiver} is "
+            f"truncated ({len(ciphertext)} bytes)"
+        )
+    try:
+        return AESGCM(key).decrypt(
+            ciphertext[:NONCE_BYTES],
+            ciphertext[NONCE_BYTES:],
+            _share_ad(round_id, sender, receiver),
+        )
+    except InvalidTag as exc:
+        raise SecAggError(
+            f"round {round_id}: shares from site {sender} to site {receiver} failed "
+            f"authentication (tampered, corrupted or misrouted); abort this round"
+        ) from exc
+
+
+class MaskExpander:
+    """Adds/subtracts PRG(seed) to uint32 vectors in place through one reused buffer.
+
+    Reuse one expander for many masks: it owns the keystream buffer, so expanding a
+    1M-element mask allocates nothing. Not thread-safe (one per thread).
+    """
+
+    def __init__(self, chunk_elements: int = 1 << 16) -> None:
+        if chunk_elements < 1:
+            raise SecAggError(f"chunk_elements must be >= 1, got {chunk_elements}")
+        self._chunk = chunk_elements
+        nbytes = chunk_elements * 4
+        self._zeros = memoryview(bytes(nbytes))
+        # update_into needs len(data) + block_size - 1 bytes of room.
+        self._buf = bytearray(nbytes + 15)
+        self._keystream = np.frombuffer(self._buf, dtype="<u4", count=chunk_elements)
+
+    def apply(self, target: np.ndarray, seed: bytes, sign: int, offset: int = 0) -> None:
+        """``target += sign * PRG(seed)[offset : offset + len(target)]`` mod 2^32.
+
+        ``offset`` (in elements) lets a chunk of a long vector be masked on its own:
+        CTR mode seeks to the block holding element ``offset``.
+        """
+        if len(seed) != SEED_BYTES:
+            raise SecAggError(f"mask seed must be {SEED_BYTES} bytes, got {len(seed)}")
+        if target.dtype != np.uint32 or target.ndim != 1:
+            raise SecAggError(f"mask target must be 1-D uint32, got {target.dtype} {target.shape}")
+        if sign not in (1, -1):
+            raise SecAggError(f"mask sign must be +1 or -1, got {sign}")
+        block, skip = divmod(offset, 4)  # 4 uint32 per 16-byte AES block
+        counter = block.to_bytes(16, "big")
+        enc = Cipher(algorithms.AES(seed), modes.CTR(counter)).encryptor()
+        if skip:
+            enc.update(bytes(skip * 4))
+        op = np.add if sign > 0 else np.subtract
+        ks = self._keystream
+        n = target.shape[0]
+        for start in range(0, n, self._chunk):
+            stop = min(start + self._chunk, n)
+            count = stop - start
+            enc.update_into(self._zeros[: count * 4], self._buf)
+            part = target[start:stop]
+            op(part, ks[:count], out=part)

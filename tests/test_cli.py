@@ -1,0 +1,56 @@
+"""The `fedtrain` command as a user runs it (a real subprocess)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fedtrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fedtrain.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_simulate_breast_cancer_from_the_cli(tmp_path):
+    run = tmp_path / "bc"
+    out = fedtrain(
+        "simulate",
+        "--config",
+        str(ROOT / "simulations/breast_cancer.toml"),
+        "--rounds",
+        "3",
+        "--run-dir",
+        str(run),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "final accuracy: 0.9" in out.stdout
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in lines] == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["rounds"] == 3
+    assert (run / "model.pt").stat().st_size > 0
+
+
+def test_bad_config_fails_with_the_key_named(tmp_path):
+    cases = {
+        'task = "fedtrain.examples:DigitsTask"\nroundz = 3\n': "unknown key roundz",
+        'task = "fedtrain.examples:DigitsTask"\nrounds = "3"\n': "rounds = '3' should be int",
+        "rounds = 3\n": "missing required key task",
+        'task = "fedtrain.examples:DigitsTask"\n[partition]\nalpha = "x"\n': "partition.alpha",
+    }
+    for text, message in cases.items():
+        path = tmp_path / "sim.toml"
+        path.write_text(text)
+        out = fedtrain("simulate", "--config", str(path), cwd=tmp_path)
+        assert out.returncode == 2, (text, out.stderr)
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
