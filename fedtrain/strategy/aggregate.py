@@ -94,10 +94,19 @@ class WeightedSum:
         self.total_weight += weight
         self.count += 1
 
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The weighted mean delta, shaped like the model, in the accumulator dtype."""
+    def mean(self, *, in_place: bool = False) -> dict[str, torch.Tensor]:
+        """The weighted mean delta, shaped like the model, in the accumulator dtype.
+
+        `in_place=True` divides the accumulators themselves and hands them out, so
+        finalizing a 2 GB model needs no third 2 GB buffer; the sum is consumed.
+        """
         if self.count == 0:
             raise UpdateRejected("no updates were aggregated this round")
+        if in_place:
+            sums, self._sums = self._sums, {}
+            return {
+                n: s.div_(self.total_weight).reshape(self.specs[n].shape) for n, s in sums.items()
+            }
         return {
             n: (s / self.total_weight).reshape(self.specs[n].shape) for n, s in self._sums.items()
         }
@@ -120,13 +129,20 @@ def validate_update(delta: Mapping[str, torch.Tensor], specs: tuple[TensorSpec, 
         check_finite(name, t)
 
 
-def apply_mean_delta(global_state: ModelState, mean: Mapping[str, torch.Tensor]) -> ModelState:
-    """global + mean delta, computed wide and written back in each tensor's dtype."""
+def apply_mean_delta(
+    global_state: ModelState, mean: Mapping[str, torch.Tensor], *, consume: bool = False
+) -> ModelState:
+    """global + mean delta, computed wide and written back in each tensor's dtype.
+
+    With `consume=True` the mean's tensors may be overwritten and reused as the result.
+    """
     out = {}
     for name, g in global_state.items():
         d = mean[name]
         if g.dtype == torch.bool:
             out[name] = g.clone()
+        elif g.dtype == d.dtype:
+            out[name] = d.add_(g) if consume else d + g  # reuse the mean's buffer: no extra copy
         elif g.dtype.is_floating_point:
             out[name] = (g.to(d.dtype) + d).to(g.dtype)
         else:

@@ -19,4 +19,4 @@ class FedAvg(Strategy):
     def finalize_round(
         self, server_round: int, global_state: ModelState, aggregate: WeightedSum
     ) -> ModelState:
-        return apply_mean_delta(global_state, aggregate.mean())
+        return apply_mean_delta(global_state, aggregate.mean(in_place=True), consume=True)
