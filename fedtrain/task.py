@@ -123,8 +123,9 @@ class TorchTask(Task):
     """The default supervised loop: SGD over mini-batches with a classification loss.
 
     Round config keys it reads (all optional): `epochs` (1), `batch_size` (32),
-    `lr` (0.01), `momentum` (0.0), `weight_decay` (0.0), `round` (for seeding the
-    shuffle). Override `loss` or `optimizer` for other objectives.
+    `lr` (0.01), `momentum` (0.0), `weight_decay` (0.0), `proximal_mu` (0.0: FedProx's
+    mu/2 * ||w - w_global||^2 term when > 0), `round` (for seeding the shuffle).
+    Override `loss` or `optimizer` for other objectives.
     """
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -150,12 +151,16 @@ class TorchTask(Task):
         gen = torch.Generator().manual_seed(
             _mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
         )
+        mu = float(config.get("proximal_mu", 0.0))
+        anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
         total_loss, seen = 0.0, 0
         for _ in range(epochs):
             for x, y in iterate_batches(data, batch_size, shuffle=True, generator=gen):
                 x, y = x.to(context.device), y.to(context.device)
                 opt.zero_grad(set_to_none=True)
                 loss = self.loss(model(x), y)
+                if anchor:  # FedProx: stay near the global model the round started from
+                    loss = loss + mu / 2 * proximal_term(model, anchor)
                 loss.backward()
                 opt.step()
                 total_loss += float(loss.detach()) * len(y)
@@ -178,6 +183,11 @@ class TorchTask(Task):
             n += len(y)
         metrics = {"accuracy": correct / n} if n and classifies else {}
         return EvalResult(n, total_loss / max(n, 1), metrics)
+
+
+def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
+    """||w - w_anchor||^2 over the model's parameters (FedProx's regulariser)."""
+    return sum(((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor, strict=True))  # type: ignore[return-value]
 
 
 def iterate_batches(

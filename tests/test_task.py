@@ -140,3 +140,16 @@ def test_training_on_cuda_matches_the_cpu_loop():
         ]
         > 0.9
     )
+
+
+def test_fedprox_term_keeps_the_model_near_the_global_one():
+    task = BreastCancerTask()
+    train, _ = task.datasets()
+    start = ModelState.from_module(model_for(task, 0))
+    drift = {}
+    for mu in (0.0, 10.0):
+        model = model_for(task, 0)
+        task.train(model, train, {"epochs": 3, "lr": 0.1, "proximal_mu": mu}, TaskContext())
+        after = ModelState.from_module(model)
+        drift[mu] = sum(float((after[k] - start[k]).norm() ** 2) for k in start)
+    assert drift[10.0] < 0.5 * drift[0.0]

@@ -8,8 +8,24 @@ from fedtrain.errors import ConfigError
 from fedtrain.strategy.aggregate import WeightedSum, compute_delta, validate_update
 from fedtrain.strategy.base import RoundConfig, Scalar, Strategy, weighted_metrics
 from fedtrain.strategy.fedavg import FedAvg
+from fedtrain.strategy.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
+from fedtrain.strategy.fedprox import FedProx
+from fedtrain.strategy.robust import FedMedian, FedTrimmedAvg, Krum
 
-STRATEGIES: dict[str, type[Strategy]] = {FedAvg.name: FedAvg}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        FedAvg,
+        FedProx,
+        FedAvgM,
+        FedAdagrad,
+        FedAdam,
+        FedYogi,
+        FedMedian,
+        FedTrimmedAvg,
+        Krum,
+    )
+}
 
 
 def build_strategy(name: str, **options: Any) -> Strategy:
@@ -28,7 +44,15 @@ def build_strategy(name: str, **options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
+    "FedMedian",
+    "FedProx",
+    "FedTrimmedAvg",
+    "FedYogi",
+    "Krum",
     "RoundConfig",
     "Scalar",
     "Strategy",

@@ -49,25 +49,21 @@ def check_finite(name: str, values: torch.Tensor) -> None:
         )
 
 
-class WeightedSum:
-    """Accumulates sum_i w_i * delta_i tensor by tensor, chunk by chunk.
+class Aggregator:
+    """What a strategy hands the drivers each round: fold updates chunk by chunk.
 
     `add_chunk` takes a slice of a flat tensor so the runtime can fold bytes as they
-    arrive; `add` takes a whole update. Values are validated (finite, right size)
-    before anything is added.
+    arrive, then `commit(weight)` counts the update; `add` does both for a whole
+    update. Values are validated (known tensor, dtype, range, finite) before use.
     """
 
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         self.specs = {s.name: s for s in specs}
-        self._sums = {
-            s.name: torch.zeros(s.numel, dtype=accumulator_dtype(torch_dtype(s.dtype)))
-            for s in specs
-        }
         self.total_weight = 0.0
         self.count = 0
 
-    def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
-        """Add `weight * values` into elements [start, start+len) of tensor `name`."""
+    def _check_chunk(self, name: str, start: int, values: torch.Tensor) -> int:
+        """Validate a chunk against the model; returns its end element."""
         spec = self.specs.get(name)
         if spec is None:
             raise UpdateRejected(f"update names tensor {name!r}, which the model does not have")
@@ -77,8 +73,10 @@ class WeightedSum:
         if start < 0 or end > spec.numel:
             raise UpdateRejected(f"{name!r}: elements [{start}, {end}) outside {spec.numel}")
         check_finite(name, values)
-        acc = self._sums[name][start:end]
-        acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
+        return end
+
+    def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+        raise NotImplementedError
 
     def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
         """Add a whole update; validated completely before any of it is added."""
@@ -93,6 +91,23 @@ class WeightedSum:
             raise UpdateRejected(f"update weight must be positive, got {weight}")
         self.total_weight += weight
         self.count += 1
+
+
+class WeightedSum(Aggregator):
+    """Accumulates sum_i w_i * delta_i tensor by tensor: O(model) memory for any N."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
+        super().__init__(specs)
+        self._sums = {
+            s.name: torch.zeros(s.numel, dtype=accumulator_dtype(torch_dtype(s.dtype)))
+            for s in specs
+        }
+
+    def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+        """Add `weight * values` into elements [start, start+len) of tensor `name`."""
+        end = self._check_chunk(name, start, values)
+        acc = self._sums[name][start:end]
+        acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
 
     def mean(self, *, in_place: bool = False) -> dict[str, torch.Tensor]:
         """The weighted mean delta, shaped like the model, in the accumulator dtype.
@@ -110,6 +125,42 @@ class WeightedSum:
         return {
             n: (s / self.total_weight).reshape(self.specs[n].shape) for n, s in self._sums.items()
         }
+
+
+class UpdateCollector(Aggregator):
+    """Keeps every update (flat, accumulator dtype) for strategies that need them all.
+
+    Median, trimmed mean and Krum cannot be computed from a running sum: memory is
+    O(clients x model), and such strategies cannot run under secure aggregation.
+    """
+
+    def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
+        super().__init__(specs)
+        self.updates: list[tuple[dict[str, torch.Tensor], float]] = []
+        self._current: dict[str, torch.Tensor] | None = None
+
+    def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+        end = self._check_chunk(name, start, values)
+        if self._current is None:
+            self._current = {
+                s.name: torch.zeros(s.numel, dtype=accumulator_dtype(torch_dtype(s.dtype)))
+                for s in self.specs.values()
+            }
+        target = self._current[name][start:end]
+        target.copy_(values.reshape(-1))
+
+    def commit(self, weight: float) -> None:
+        super().commit(weight)
+        if self._current is None:  # an update of empty tensors only
+            self._current = {s.name: torch.zeros(0) for s in self.specs.values()}
+        self.updates.append((self._current, weight))
+        self._current = None
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """All updates of one tensor as a (clients, numel) matrix."""
+        if not self.updates:
+            raise UpdateRejected("no updates were aggregated this round")
+        return torch.stack([u[name] for u, _ in self.updates])
 
 
 def validate_update(delta: Mapping[str, torch.Tensor], specs: tuple[TensorSpec, ...]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from fedtrain.errors import ConfigError
-from fedtrain.strategy.aggregate import WeightedSum
+from fedtrain.strategy.aggregate import Aggregator, WeightedSum
 from fedtrain.tensors import ModelState
 
 Scalar = bool | int | float | str
@@ -91,13 +91,13 @@ class Strategy(ABC):
         return min(self.min_fit_clients, num_selected)
 
     # -- aggregation ------------------------------------------------------------------
-    def begin_round(self, server_round: int, global_state: ModelState) -> WeightedSum:
+    def begin_round(self, server_round: int, global_state: ModelState) -> Aggregator:
         """A fresh streaming aggregator for this round's updates."""
         return WeightedSum(global_state.specs)
 
     @abstractmethod
     def finalize_round(
-        self, server_round: int, global_state: ModelState, aggregate: WeightedSum
+        self, server_round: int, global_state: ModelState, aggregate: Aggregator
     ) -> ModelState:
         """The next global model from the round's aggregate."""
 
