@@ -7,6 +7,7 @@ from typing import Any
 from fedtrain.errors import ConfigError
 from fedtrain.strategy.aggregate import WeightedSum, compute_delta, validate_update
 from fedtrain.strategy.base import RoundConfig, Scalar, Strategy, weighted_metrics
+from fedtrain.strategy.dpfedavg import DPFedAvg
 from fedtrain.strategy.fedavg import FedAvg
 from fedtrain.strategy.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedtrain.strategy.fedprox import FedProx
@@ -16,6 +17,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (
         FedAvg,
+        DPFedAvg,
         FedProx,
         FedAvgM,
         FedAdagrad,
@@ -44,6 +46,7 @@ def build_strategy(name: str, **options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "DPFedAvg",
     "FedAdagrad",
     "FedAdam",
     "FedAvg",

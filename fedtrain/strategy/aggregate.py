@@ -61,6 +61,7 @@ class Aggregator:
         self.specs = {s.name: s for s in specs}
         self.total_weight = 0.0
         self.count = 0
+        self._staged: dict[str, torch.Tensor] | None = None
 
     def _check_chunk(self, name: str, start: int, values: torch.Tensor) -> int:
         """Validate a chunk against the model; returns its end element."""
@@ -77,6 +78,24 @@ class Aggregator:
 
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         raise NotImplementedError
+
+    def _stage(self, name: str, start: int, values: torch.Tensor) -> None:
+        """Copy a chunk into the update being received (for aggregators that must see
+        a whole update before using it); `_take_staged` hands it over at commit."""
+        end = self._check_chunk(name, start, values)
+        if self._staged is None:
+            self._staged = {
+                s.name: torch.zeros(s.numel, dtype=accumulator_dtype(torch_dtype(s.dtype)))
+                for s in self.specs.values()
+            }
+        self._staged[name][start:end].copy_(values.reshape(-1))
+
+    def _take_staged(self) -> dict[str, torch.Tensor]:
+        staged = self._staged
+        if staged is None:  # an update of empty tensors only
+            staged = {s.name: torch.zeros(0) for s in self.specs.values()}
+        self._staged = None
+        return staged
 
     def add(self, delta: Mapping[str, torch.Tensor], weight: float) -> None:
         """Add a whole update; validated completely before any of it is added."""
@@ -103,11 +122,73 @@ class WeightedSum(Aggregator):
             for s in specs
         }
 
+    @classmethod
+    def from_sums(
+        cls,
+        specs: tuple[TensorSpec, ...],
+        sums: Mapping[str, torch.Tensor],
+        total_weight: float,
+        count: int,
+    ) -> WeightedSum:
+        """A partial sum computed elsewhere (a simulation worker), wrapped without a copy.
+
+        `sums` are flat accumulators as `sums` returns them; they are validated
+        against the model so a corrupt partial cannot reach an aggregate.
+        """
+        partial = cls.__new__(cls)
+        Aggregator.__init__(partial, specs)
+        for spec in specs:
+            acc = sums.get(spec.name)
+            want = accumulator_dtype(torch_dtype(spec.dtype))
+            if acc is None or acc.dtype != want or tuple(acc.shape) != (spec.numel,):
+                got = "nothing" if acc is None else f"{acc.dtype} {tuple(acc.shape)}"
+                raise UpdateRejected(
+                    f"partial sum for {spec.name!r} is {got}, expected {want} ({spec.numel},)"
+                )
+        if set(sums) != set(partial.specs):
+            raise UpdateRejected(
+                f"partial sum names unknown tensors {sorted(set(sums) - set(partial.specs))}"
+            )
+        if count < 0 or total_weight < 0 or (count == 0) != (total_weight == 0):
+            raise UpdateRejected(f"partial sum of {count} updates has weight {total_weight}")
+        partial._sums = dict(sums)
+        partial.total_weight = float(total_weight)
+        partial.count = int(count)
+        return partial
+
+    @property
+    def sums(self) -> Mapping[str, torch.Tensor]:
+        """The flat accumulators (sum_i w_i * delta_i per tensor); read them, never write."""
+        return self._sums
+
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         """Add `weight * values` into elements [start, start+len) of tensor `name`."""
         end = self._check_chunk(name, start, values)
         acc = self._sums[name][start:end]
         acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
+
+    def merge(self, other: WeightedSum) -> None:
+        """Fold in another partial sum over the same model: sums, weights and counts add.
+
+        The result equals adding `other`'s updates here one by one, up to the order of
+        float additions; callers that need bit-exact reproducibility merge partials in
+        a fixed order (the simulation merges them in worker order).
+        """
+        if other.specs != self.specs:
+            raise UpdateRejected("cannot merge partial sums of different models")
+        if other.count == 0:
+            return
+        for name, acc in self._sums.items():
+            acc.add_(other._sums[name])
+        self.total_weight += other.total_weight
+        self.count += other.count
+
+    def take_sums(self) -> dict[str, torch.Tensor]:
+        """The weighted sums themselves, shaped like the model; consumes the accumulator."""
+        if self.count == 0:
+            raise UpdateRejected("no updates were aggregated this round")
+        sums, self._sums = self._sums, {}
+        return {n: s.reshape(self.specs[n].shape) for n, s in sums.items()}
 
     def mean(self, *, in_place: bool = False) -> dict[str, torch.Tensor]:
         """The weighted mean delta, shaped like the model, in the accumulator dtype.
@@ -115,13 +196,10 @@ class WeightedSum(Aggregator):
         `in_place=True` divides the accumulators themselves and hands them out, so
         finalizing a 2 GB model needs no third 2 GB buffer; the sum is consumed.
         """
+        if in_place:
+            return {n: s.div_(self.total_weight) for n, s in self.take_sums().items()}
         if self.count == 0:
             raise UpdateRejected("no updates were aggregated this round")
-        if in_place:
-            sums, self._sums = self._sums, {}
-            return {
-                n: s.div_(self.total_weight).reshape(self.specs[n].shape) for n, s in sums.items()
-            }
         return {
             n: (s / self.total_weight).reshape(self.specs[n].shape) for n, s in self._sums.items()
         }
@@ -137,24 +215,13 @@ class UpdateCollector(Aggregator):
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__(specs)
         self.updates: list[tuple[dict[str, torch.Tensor], float]] = []
-        self._current: dict[str, torch.Tensor] | None = None
 
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
-        end = self._check_chunk(name, start, values)
-        if self._current is None:
-            self._current = {
-                s.name: torch.zeros(s.numel, dtype=accumulator_dtype(torch_dtype(s.dtype)))
-                for s in self.specs.values()
-            }
-        target = self._current[name][start:end]
-        target.copy_(values.reshape(-1))
+        self._stage(name, start, values)
 
     def commit(self, weight: float) -> None:
         super().commit(weight)
-        if self._current is None:  # an update of empty tensors only
-            self._current = {s.name: torch.zeros(0) for s in self.specs.values()}
-        self.updates.append((self._current, weight))
-        self._current = None
+        self.updates.append((self._take_staged(), weight))
 
     def stacked(self, name: str) -> torch.Tensor:
         """All updates of one tensor as a (clients, numel) matrix."""

@@ -38,7 +38,10 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     #: Whether the algorithm only needs the (weighted) sum of updates, so it can run
-    #: under secure aggregation. Median/Krum-style strategies set this False.
+    #: under secure aggregation. Median/Krum-style strategies set this False. When it
+    #: is True, `begin_round` must return a `WeightedSum`, and drivers may pre-fold
+    #: updates elsewhere into partial `WeightedSum`s (simulation workers do) and
+    #: `merge` those into it: the strategy sees the same sum either way.
     needs_only_sum: ClassVar[bool] = True
 
     def __init__(
@@ -100,6 +103,10 @@ class Strategy(ABC):
         self, server_round: int, global_state: ModelState, aggregate: Aggregator
     ) -> ModelState:
         """The next global model from the round's aggregate."""
+
+    def round_metrics(self) -> dict[str, float]:
+        """Strategy facts about the round just finalized (e.g. epsilon), for metrics.jsonl."""
+        return {}
 
     def aggregate_metrics(
         self, results: Sequence[tuple[int, Mapping[str, float]]]
