@@ -1,0 +1,220 @@
+"""`fedtrain report RUN_DIR`: PNG plots and a one-page HTML summary of a run.
+
+Reads only what every run writes (`metrics.jsonl`, `config.json`) plus the runtime's
+`audit.jsonl` when present, so it works for simulations and deployments alike.
+Plots: accuracy and loss per round, bytes per round, per-site participation (from
+the audit log), and privacy epsilon when DP was on.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fedtrain.errors import ConfigError
+from fedtrain.run_dir import RunDir
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    rows = [(m["round"], m[key]) for m in metrics if m.get(key) is not None]
+    return [r for r, _ in rows], [float(v) for _, v in rows]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    plt = _pyplot()
+    rounds_acc, acc = _series(metrics, "accuracy")
+    rounds_loss, loss = _series(metrics, "loss")
+    if not acc and not loss:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if acc:
+        ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
+        ax.set_ylabel("accuracy", color="tab:blue")
+        ax.set_ylim(0, 1.02)
+    if loss:
+        ax2 = ax.twinx()
+        ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
+        ax2.set_ylabel("loss", color="tab:orange")
+    ax.set_xlabel("round")
+    ax.set_title("Global model on the test set")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_bytes(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    plt = _pyplot()
+    rounds, values = _series(metrics, "bytes")
+    if not values:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    ax.bar(rounds, [v / 2**20 for v in values], color="tab:green")
+    ax.set_xlabel("round")
+    ax.set_ylabel("MiB on the wire")
+    ax.set_title("Bytes per round (model downloads + update uploads)")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def plot_epsilon(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    plt = _pyplot()
+    rounds, eps = _series(metrics, "epsilon")
+    if not eps:
+        return None
+    delta = next((m["delta"] for m in metrics if m.get("delta") is not None), None)
+    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
+    ax.plot(rounds, eps, marker="o", color="tab:red")
+    ax.set_xlabel("round")
+    ax.set_ylabel("epsilon")
+    ax.set_title(f"Privacy spent (delta = {delta:g})" if delta else "Privacy spent")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def participation(audit: Sequence[dict[str, Any]]) -> dict[str, dict[int, str]]:
+    """site -> round -> 'trained' | 'dropped' | 'failed', from round_completed records."""
+    table: dict[str, dict[int, str]] = {}
+    for rec in audit:
+        if rec.get("event") != "round_completed":
+            continue
+        for status in ("trained", "dropped", "failed"):
+            key = "contributors" if status == "trained" else status
+            for site in rec.get(key) or []:
+                table.setdefault(site, {})[int(rec["round"])] = status
+    return table
+
+
+def plot_participation(audit: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    table = participation(audit)
+    if not table:
+        return None
+    plt = _pyplot()
+    from matplotlib.colors import ListedColormap
+
+    sites = sorted(table)
+    last = max(r for rounds in table.values() for r in rounds)
+    codes = {"absent": 0, "trained": 1, "dropped": 2, "failed": 3}
+    grid = [[codes[table[s].get(r, "absent")] for r in range(1, last + 1)] for s in sites]
+    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(sites)), dpi=110)
+    cmap = ListedColormap(["#eeeeee", "tab:green", "tab:orange", "tab:red"])
+    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=3, interpolation="nearest")
+    ax.set_yticks(range(len(sites)), sites)
+    ax.set_xticks(range(last), [str(r) for r in range(1, last + 1)])
+    ax.set_xlabel("round")
+    ax.set_title("Participation: green trained, orange dropped, red failed, grey absent")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def write_report(run_path: str | Path) -> Path:
+    """Write `report/` inside the run directory; returns the HTML file's path."""
+    run = RunDir(run_path) if Path(run_path).is_dir() else None
+    if run is None:
+        raise ConfigError(f"{run_path} is not a run directory")
+    metrics = run.read_metrics()
+    if not metrics:
+        raise ConfigError(
+            f"{run.metrics_path} is missing or empty: is {run.path} a fedtrain run directory?"
+        )
+    audit = _read_jsonl(run.path / "audit.jsonl")
+    config_path = run.path / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    out = run.path / "report"
+    out.mkdir(exist_ok=True)
+    plots = [
+        p
+        for p in (
+            plot_accuracy(metrics, out / "accuracy.png"),
+            plot_bytes(metrics, out / "bytes.png"),
+            plot_participation(audit, out / "participation.png"),
+            plot_epsilon(metrics, out / "epsilon.png"),
+        )
+        if p is not None
+    ]
+    page = out / "index.html"
+    page.write_text(_html(run.path, metrics, config, plots), encoding="utf-8")
+    return page
+
+
+def _html(
+    run_path: Path, metrics: Sequence[dict[str, Any]], config: dict[str, Any], plots: list[Path]
+) -> str:
+    last = metrics[-1]
+    accs = [m["accuracy"] for m in metrics if m.get("accuracy") is not None]
+    facts = {
+        "run directory": str(run_path.resolve()),
+        "task": config.get("task", "?"),
+        "strategy": (config.get("strategy") or {}).get("name", "?"),
+        "rounds completed": last["round"],
+        "final accuracy": f"{accs[-1]:.4f}" if accs else "n/a",
+        "best accuracy": f"{max(accs):.4f}" if accs else "n/a",
+        "total seconds": f"{sum(m.get('seconds', 0.0) for m in metrics):.1f}",
+        "total bytes": f"{sum(m.get('bytes', 0) for m in metrics) / 2**20:.1f} MiB",
+    }
+    if last.get("epsilon") is not None:
+        facts["privacy"] = f"epsilon {last['epsilon']:.3f} at delta {last.get('delta', '?')}"
+    columns = [
+        k
+        for k in ("round", "accuracy", "loss", "clients", "bytes", "seconds", "epsilon")
+        if any(k in m for m in metrics)
+    ]
+    esc = html.escape
+
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else esc(str(value))
+
+    rows = "\n".join(
+        "<tr>" + "".join(f"<td>{cell(m.get(k, ''))}</td>" for k in columns) + "</tr>"
+        for m in metrics
+    )
+    fact_rows = "\n".join(
+        f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in facts.items()
+    )
+    images = "\n".join(f'<img src="{esc(p.name)}" alt="{esc(p.stem)}">' for p in plots)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>fedtrain run report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 900px; margin: 2em auto; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 10px; text-align: right; }}
+th {{ background: #f4f4f4; text-align: left; }}
+img {{ max-width: 100%; display: block; margin: 1em 0; }}
+</style></head><body>
+<h1>fedtrain run report</h1>
+<table>{fact_rows}</table>
+{images}
+<h2>Rounds</h2>
+<table><tr>{"".join(f"<th>{esc(k)}</th>" for k in columns)}</tr>
+{rows}
+</table>
+</body></html>
+"""

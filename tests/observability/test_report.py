@@ -1,0 +1,80 @@
+"""`fedtrain report`: real PNGs and an HTML page from a real run directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fedtrain.config import from_dict
+from fedtrain.errors import ConfigError
+from fedtrain.observability.report import participation, write_report
+from fedtrain.simulation import SimConfig, run_simulation
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_from_a_simulation_run(tmp_path):
+    config = from_dict(
+        SimConfig,
+        {
+            "task": "fedtrain.examples:BreastCancerTask",
+            "rounds": 3,
+            "num_clients": 3,
+            "run_dir": str(tmp_path / "run"),
+            "client": {"lr": 0.1},
+        },
+    )
+    run_simulation(config)
+    # the runtime's audit log adds participation
+    audit = [
+        {"event": "round_completed", "round": 1, "contributors": ["a", "b"], "dropped": ["c"]},
+        {"event": "round_completed", "round": 2, "contributors": ["a", "c"], "failed": ["b"]},
+    ]
+    (tmp_path / "run" / "audit.jsonl").write_text("\n".join(json.dumps(a) for a in audit))
+    page = write_report(tmp_path / "run")
+    text = page.read_text()
+    assert "final accuracy" in text and "fedtrain.examples:BreastCancerTask" in text
+    assert text.count("<tr><td>") == 3  # one row per round
+    for name in ("accuracy.png", "bytes.png", "participation.png"):
+        data = (page.parent / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5_000, name
+        assert f'src="{name}"' in text
+    assert not (page.parent / "epsilon.png").exists()  # no DP in this run
+
+
+def test_participation_table():
+    table = participation(
+        [
+            {"event": "round_completed", "round": 1, "contributors": ["a"], "dropped": ["b"]},
+            {"event": "join", "site": "z"},
+        ]
+    )
+    assert table == {"a": {1: "trained"}, "b": {1: "dropped"}}
+
+
+def test_epsilon_plot_when_dp_was_on(tmp_path):
+    lines = [
+        {
+            "round": r,
+            "accuracy": 0.5,
+            "loss": 1.0,
+            "epsilon": 0.3 * r,
+            "delta": 1e-5,
+            "bytes": 10,
+            "seconds": 0.1,
+            "clients": 2,
+        }
+        for r in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines))
+    page = write_report(tmp_path)
+    assert (page.parent / "epsilon.png").read_bytes().startswith(PNG)
+    assert "epsilon 0.600" in page.read_text()
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(ConfigError, match="missing or empty"):
+        write_report(tmp_path)
+    with pytest.raises(ConfigError, match="not a run directory"):
+        write_report(tmp_path / "nope")
