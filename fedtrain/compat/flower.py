@@ -1,0 +1,175 @@
+"""Run an existing Flower `NumPyClient`, unchanged, as a fedtrain task.
+
+Migration from Flower is a config change, not a rewrite:
+
+    task = "fedtrain.compat.flower:FlowerTask"
+    [task_options]
+    client_fn = "myapp.client_app:client_fn"   # the function your ClientApp already uses
+    num_partitions = 10
+
+`client_fn` may take a Flower `Context` (its `node_config` carries "partition-id" and
+"num-partitions", as in a Flower simulation) or, in the legacy style, a client id
+string. The client's arrays travel as buffers `p0, p1, ...` of a parameter-free
+module, so everything fedtrain does to a model (chunked transport, FedAvg, secure
+aggregation, checkpoints) applies unchanged. Each virtual client or site is one
+partition: the training "dataset" fedtrain partitions is the list of partition ids.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from fedtrain.errors import ConfigError, TaskError
+from fedtrain.task import EvalResult, Task, TaskContext, TrainResult
+
+
+class ArrayModule(nn.Module):
+    """A module made of a Flower client's arrays (buffers p0..pN, no parameters)."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        super().__init__()
+        for i, a in enumerate(arrays):
+            self.register_buffer(f"p{i}", torch.from_numpy(np.array(a, copy=True)))
+
+    def arrays(self) -> list[np.ndarray]:
+        return [b.detach().cpu().numpy() for b in self.buffers()]
+
+    def load_arrays(self, arrays: list[np.ndarray]) -> None:
+        own = list(self.buffers())
+        if len(arrays) != len(own):
+            raise TaskError(
+                f"Flower client returned {len(arrays)} arrays, the model has {len(own)}"
+            )
+        with torch.no_grad():
+            for i, (buf, a) in enumerate(zip(own, arrays, strict=True)):
+                new = torch.from_numpy(np.asarray(a))
+                if new.shape != buf.shape or new.dtype != buf.dtype:
+                    raise TaskError(
+                        f"Flower client returned array {i} as {new.dtype} {tuple(new.shape)}, "
+                        f"expected {buf.dtype} {tuple(buf.shape)}"
+                    )
+                buf.copy_(new)
+
+
+class PartitionIds(Dataset):
+    """The "training set" fedtrain partitions: one item per Flower partition id."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.count:
+            raise IndexError(index)
+        return index
+
+
+def _resolve(ref: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(ref):
+        return ref
+    module, sep, attr = ref.partition(":")
+    if not sep:
+        raise ConfigError(f"client_fn = {ref!r} must look like 'package.module:function'")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"client_fn = {ref!r} cannot be loaded: {exc}") from None
+
+
+class FlowerTask(Task):
+    """A Flower NumPyClient factory as a fedtrain Task (see the module docstring)."""
+
+    def __init__(
+        self,
+        client_fn: str | Callable[..., Any],
+        num_partitions: int,
+        run_config: dict[str, Any] | None = None,
+    ) -> None:
+        if num_partitions < 1:
+            raise ConfigError(f"num_partitions must be >= 1, got {num_partitions}")
+        self.client_fn = _resolve(client_fn)
+        self.num_partitions = num_partitions
+        self.run_config = dict(run_config or {})
+        ref = client_fn if isinstance(client_fn, str) else self.client_fn.__qualname__
+        self.version = f"flower:{ref}"  # part of the fingerprint sites must share
+        self._clients: dict[int, Any] = {}
+
+    def client(self, partition_id: int) -> Any:
+        """The NumPyClient of one partition, built once and kept (clients may be stateful)."""
+        if partition_id not in self._clients:
+            self._clients[partition_id] = self._build(partition_id)
+        return self._clients[partition_id]
+
+    def _build(self, partition_id: int) -> Any:
+        params = list(inspect.signature(self.client_fn).parameters)
+        if params and params[0] in ("context", "ctx"):
+            from flwr.common import Context, RecordDict
+
+            context = Context(
+                run_id=0,
+                node_id=partition_id,
+                node_config={"partition-id": partition_id, "num-partitions": self.num_partitions},
+                state=RecordDict(),
+                run_config=self.run_config,
+            )
+            client = self.client_fn(context)
+        else:
+            client = self.client_fn(str(partition_id))
+        client = getattr(client, "numpy_client", client)  # `.to_client()` wraps it
+        for method in ("get_parameters", "fit", "evaluate"):
+            if not callable(getattr(client, method, None)):
+                raise TaskError(f"client_fn returned {type(client).__name__}, not a NumPyClient")
+        return client
+
+    def model(self) -> nn.Module:
+        return ArrayModule(self.client(0).get_parameters({}))
+
+    def datasets(self) -> tuple[Dataset, None]:
+        return PartitionIds(self.num_partitions), None
+
+    def labels(self, dataset: Dataset) -> torch.Tensor:
+        raise TaskError(
+            "a Flower client keeps its own data, so label-skew partitioning cannot see labels; "
+            'use partition.kind = "iid" with num_clients == num_partitions'
+        )
+
+    def _partition(self, data: Dataset) -> int:
+        if len(data) != 1 or not isinstance(data[0], int):  # type: ignore[arg-type]
+            raise ConfigError(
+                f"each client must hold exactly one Flower partition (got {len(data)}); "  # type: ignore[arg-type]
+                "set num_clients equal to the task's num_partitions"
+            )
+        return int(data[0])
+
+    @staticmethod
+    def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
+        return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float)}
+
+    def train(
+        self, model: nn.Module, data: Dataset, config: dict[str, Any], context: TaskContext
+    ) -> TrainResult:
+        assert isinstance(model, ArrayModule)
+        arrays, num_examples, metrics = self.client(self._partition(data)).fit(
+            model.arrays(), dict(config)
+        )
+        model.load_arrays(arrays)
+        return TrainResult(int(num_examples), self._numeric(metrics))
+
+    def evaluate(
+        self, model: nn.Module, data: Dataset, config: dict[str, Any], context: TaskContext
+    ) -> EvalResult:
+        assert isinstance(model, ArrayModule)
+        loss, num_examples, metrics = self.client(self._partition(data)).evaluate(
+            model.arrays(), dict(config)
+        )
+        return EvalResult(int(num_examples), float(loss), self._numeric(metrics))
