@@ -83,16 +83,70 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Digits across 4 clients. Until the gRPC runtime lands this is the inline simulation."""
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="fedtrain-demo-")
-    raw = {**DIGITS_DEMO, "run_dir": run_dir}
-    if args.rounds is not None:
-        raw["rounds"] = args.rounds
-    from fedtrain.simulation import SimConfig
+    """Digits across 4 sites: a real server and 4 site daemons over mutual TLS on 127.0.0.1."""
+    from fedtrain.observability.progress import RoundProgress
+    from fedtrain.runtime.demo import run_demo
 
-    config = from_dict(SimConfig, raw)
-    acc = run_sim(config, "demo")
-    print(f"final accuracy: {acc:.4f}")
+    directory = Path(args.run_dir or tempfile.mkdtemp(prefix="fedtrain-demo-"))
+    rounds = args.rounds if args.rounds is not None else DIGITS_DEMO["rounds"]
+    with RoundProgress(rounds, "demo") as progress:
+        result = run_demo(directory, rounds=rounds, on_round=progress.update)
+    log.info("demo finished in %.1fs; everything is in %s", result.seconds, directory.resolve())
+    acc = result.final_accuracy
+    print(f"final accuracy: {acc:.4f}" if acc is not None else "finished (no test set)")
+    return 0
+
+
+# -- server / client ----------------------------------------------------------------------
+def cmd_server(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from fedtrain.observability.progress import describe
+    from fedtrain.runtime.config import load_server_config
+    from fedtrain.runtime.lifecycle import stop_on_signals
+    from fedtrain.runtime.server import AggregationServer
+
+    config = load_server_config(args.config)
+    if args.resume is not None:
+        config = dataclasses.replace(config, run_dir=str(args.resume))
+
+    def on_round(record: dict) -> None:
+        log.info(describe(record))
+        if args.progress_jsonl:
+            print(json.dumps(record, sort_keys=True), flush=True)
+
+    server = AggregationServer(
+        config, insecure=args.insecure, resume=args.resume is not None, on_round=on_round
+    )
+    with stop_on_signals(server.coordinator.stop):
+        server.start()
+        try:
+            server.wait()
+        finally:
+            server.stop()
+    if server.coordinator.error is not None:
+        print(f"error: {server.coordinator.error}", file=sys.stderr)
+        return 1
+    done = server.coordinator.global_model.round
+    if done < config.rounds:
+        log.info(
+            "stopped after round %d of %d; continue with --resume %s",
+            done,
+            config.rounds,
+            server.run_dir.path,
+        )
+    return 0
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from fedtrain.runtime.config import load_site_config
+    from fedtrain.runtime.lifecycle import stop_on_signals
+    from fedtrain.runtime.site import SiteDaemon
+
+    daemon = SiteDaemon(load_site_config(args.config), insecure=args.insecure)
+    with stop_on_signals(daemon.stop):
+        daemon.run()
     return 0
 
 
@@ -139,6 +193,36 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, help="number of rounds (default 10)")
     demo.add_argument("--run-dir", dest="run_dir", help="keep the run here (default: a temp dir)")
     demo.set_defaults(func=cmd_demo)
+
+    server = sub.add_parser("server", help="run the aggregation server")
+    server.add_argument("--config", type=Path, required=True, help="server.toml")
+    server.add_argument(
+        "--resume",
+        type=Path,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint",
+    )
+    server.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS (local tests only: anyone can join as any site)",
+    )
+    server.add_argument(
+        "--progress-jsonl",
+        dest="progress_jsonl",
+        action="store_true",
+        help="print each round's metrics as one JSON line on stdout",
+    )
+    server.set_defaults(func=cmd_server)
+
+    client = sub.add_parser("client", help="run a site daemon")
+    client.add_argument("--config", type=Path, required=True, help="site.toml")
+    client.add_argument(
+        "--insecure",
+        action="store_true",
+        help="no TLS (local tests only; the server must run --insecure too)",
+    )
+    client.set_defaults(func=cmd_client)
 
     ca = sub.add_parser("ca", help="federation certificate authority")
     ca_sub = ca.add_subparsers(dest="ca_command", required=True)

@@ -18,6 +18,8 @@ from fedtrain.config import reference
 # marker name -> "module:ConfigClass"
 SECTIONS: dict[str, str] = {
     "sim": "fedtrain.simulation.config:SimConfig",
+    "server": "fedtrain.runtime.config:ServerConfig",
+    "site": "fedtrain.runtime.config:SiteConfig",
 }
 
 HEADER = ["| key | type | default | meaning |", "|---|---|---|---|"]

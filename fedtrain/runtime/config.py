@@ -1,0 +1,196 @@
+"""`server.toml` and `site.toml`: typed, documented, unknown keys are errors.
+
+Both files are parsed with fedtrain.config, so `reference(ServerConfig)` generates
+their documentation. The strategy and partition tables are the simulation's own
+dataclasses, so a strategy configured for a simulation works unchanged here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from fedtrain.config import from_dict, load_toml, option, section
+from fedtrain.errors import ConfigError
+from fedtrain.runtime.wire import HEADER_ALLOWANCE
+from fedtrain.simulation.config import PartitionConfig, StrategyConfig
+from fedtrain.strategy import Strategy, build_strategy
+from fedtrain.tensors import DEFAULT_CHUNK_BYTES
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+@dataclass
+class TlsConfig:
+    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).")
+    cert: str = option("", "This machine's certificate (`fedtrain ca issue-server/-site`).")
+    key: str = option("", "The private key of `cert`.")
+
+    def require(self, where: str) -> tuple[Path, Path, Path]:
+        """The three paths, or a clear error naming the missing keys."""
+        missing = [k for k in ("ca", "cert", "key") if not getattr(self, k)]
+        if missing:
+            keys = ", ".join(f"tls.{k}" for k in missing)
+            raise ConfigError(
+                f"{where}: {keys} not set; mutual TLS needs the CA certificate and this "
+                "machine's certificate and key (or pass --insecure for a local test)"
+            )
+        return Path(self.ca), Path(self.cert), Path(self.key)
+
+
+@dataclass
+class SiteTlsConfig(TlsConfig):
+    server_name: str = option(
+        "",
+        "Host name to expect in the server certificate, when it differs from the "
+        "dialled address (e.g. dialling through a tunnel).",
+    )
+
+
+@dataclass
+class HeartbeatConfig:
+    interval_s: float = option(5.0, "How often sites send a heartbeat (told to them on join).")
+    timeout_s: float = option(
+        30.0, "A site silent this long is disconnected (a dropout if it was training)."
+    )
+
+
+@dataclass
+class ServerConfig:
+    task: str = option(doc="Task installed at the server and the sites, 'package.module:Class'.")
+    task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
+    address: str = option(DEFAULT_ADDRESS, "host:port to listen on ('0.0.0.0:PORT' for all).")
+    run_dir: str = option("runs/server", "Directory for config, metrics, audit, checkpoints.")
+    rounds: int = option(10, "Number of federated rounds.")
+    seed: int = option(0, "Seed of the initial model and of participant sampling.")
+    device: str = option("cpu", "Device for the server-side evaluation of the global model.")
+    eval_every: int = option(1, "Evaluate the global model on the task's test set every N rounds.")
+    round_timeout_s: float = option(
+        600.0, "Deadline of a round; the round closes with the updates received by then."
+    )
+    max_round_attempts: int = option(
+        0, "Give up (exit with an error) after this many failed attempts of one round; 0: never."
+    )
+    allowed_sites: list[str] = option(
+        [],
+        "Site names admitted (certificate name with TLS, Join name without); "
+        "required with TLS, empty admits every site when --insecure.",
+    )
+    chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, "Raw tensor bytes per streamed message.")
+    max_message_bytes: int = option(
+        DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit; must exceed chunk_bytes + 64 KiB."
+    )
+    max_workers: int = option(
+        64, "gRPC worker threads; each connected site holds one, each transfer one more."
+    )
+    strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
+    client: dict[str, Any] = option(
+        {"epochs": 1, "batch_size": 32, "lr": 0.05},
+        "Round config sent to every chosen site (epochs, batch_size, lr, momentum, ...).",
+    )
+    heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
+    tls: TlsConfig = section(TlsConfig, "Mutual TLS (ca, cert, key).")
+
+    def __post_init__(self) -> None:
+        _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
+        _positive(self, "round_timeout_s")
+        if self.max_round_attempts < 0:
+            raise ConfigError(f"max_round_attempts must be >= 0, got {self.max_round_attempts}")
+        if self.chunk_bytes + HEADER_ALLOWANCE > self.max_message_bytes:
+            raise ConfigError(
+                f"max_message_bytes ({self.max_message_bytes}) must be at least chunk_bytes "
+                f"({self.chunk_bytes}) + {HEADER_ALLOWANCE}; raise it or lower chunk_bytes"
+            )
+        _check_heartbeat(self.heartbeat)
+        for key, value in self.client.items():
+            if not isinstance(value, bool | int | float | str):
+                raise ConfigError(
+                    f"client.{key} = {value!r}: round config values must be booleans, "
+                    "numbers or strings"
+                )
+
+    def build_strategy(self) -> Strategy:
+        """The strategy the `[strategy]` table names, with `[client]` as its round config."""
+        options = {k: v for k, v in dataclasses.asdict(self.strategy).items() if k != "name"}
+        return build_strategy(self.strategy.name, **options, client_config=self.client)
+
+
+@dataclass
+class DataConfig(PartitionConfig):
+    """This site's data: a partition of the task's training set, or the task's own hook."""
+
+    source: Literal["partition", "task"] = option(
+        "partition",
+        "`partition`: a slice of task.datasets()[0] (the bundled examples); "
+        "`task`: call the task's `site_data(site_name, **options)` hook.",
+    )
+    partition: int = option(0, "Which part of the split this site holds (0-based).")
+    num_partitions: int = option(1, "Into how many parts the training set is split.")
+    seed: int = option(0, "Seed of the split; every site of a federation uses the same.")
+    options: dict[str, Any] = option({}, "Keyword arguments for the task's site_data hook.")
+
+    def __post_init__(self) -> None:
+        if self.num_partitions < 1:
+            raise ConfigError(f"data.num_partitions must be >= 1, got {self.num_partitions}")
+        if not 0 <= self.partition < self.num_partitions:
+            raise ConfigError(
+                f"data.partition = {self.partition} must be in [0, {self.num_partitions})"
+            )
+
+
+@dataclass
+class ReconnectConfig:
+    min_s: float = option(0.5, "First reconnect delay; doubles per failure (with jitter).")
+    max_s: float = option(30.0, "Longest delay between reconnect attempts.")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_s <= self.max_s:
+            raise ConfigError(
+                f"reconnect.min_s ({self.min_s}) must be > 0 and <= reconnect.max_s ({self.max_s})"
+            )
+
+
+@dataclass
+class SiteConfig:
+    task: str = option(doc="Task to run, 'package.module:Class' (the same as the server's).")
+    task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
+    server: str = option(DEFAULT_ADDRESS, "host:port of the aggregation server.")
+    name: str = option(
+        "",
+        "This site's name; required without TLS, optional with it (then it must match "
+        "the certificate).",
+    )
+    device: str = option("cpu", "Device to train on ('cpu', 'cuda', 'cuda:1').")
+    seed: int = option(0, "Seed of local shuffling.")
+    max_message_bytes: int = option(
+        64 * 1024 * 1024, "gRPC message size limit; must exceed the server's chunk_bytes."
+    )
+    data: DataConfig = section(DataConfig, "Which data this site trains on.")
+    reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
+    tls: SiteTlsConfig = section(SiteTlsConfig, "Mutual TLS (ca, cert, key, server_name).")
+
+
+def _positive(cfg: object, *keys: str) -> None:
+    for key in keys:
+        value = getattr(cfg, key)
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+def _check_heartbeat(hb: HeartbeatConfig) -> None:
+    if not 0 < hb.interval_s < hb.timeout_s:
+        raise ConfigError(
+            f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and below "
+            f"heartbeat.timeout_s ({hb.timeout_s}), or every site would time out"
+        )
+
+
+def load_server_config(path: str | Path) -> ServerConfig:
+    return from_dict(ServerConfig, load_toml(path))
+
+
+def load_site_config(path: str | Path) -> SiteConfig:
+    return from_dict(SiteConfig, load_toml(path))

@@ -1,0 +1,394 @@
+"""The round loop of the aggregation server, on its own thread.
+
+Each round: wait (on a condition, not a timer) until the strategy has enough
+connected sites, let it choose participants, push an instruction onto each chosen
+site's control stream, and wait until every chosen site has settled (update folded,
+error reported, or gone) or the deadline passes. If the strategy's minimum number
+of results arrived, the new global model is finalized, checkpointed, evaluated and
+logged; otherwise the round is tried again with whoever is connected. Nothing here
+blocks without a bound except waiting for sites to exist at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.run_dir import RunDir
+from fedtrain.runtime import wire
+from fedtrain.runtime.audit import AuditLog
+from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.strategy import RoundConfig, Strategy
+from fedtrain.task import Task, TaskContext, model_for, resolve_device, task_fingerprint
+from fedtrain.tensors import ModelState
+
+log = logging.getLogger(__name__)
+
+RoundCallback = Callable[[dict[str, Any]], None]
+RETRY_DELAY_S = 0.5
+RETRY_DELAY_MAX_S = 30.0
+
+
+class RoundFailed(FedtrainError):
+    """A round could not gather enough updates in `max_round_attempts` attempts."""
+
+
+@dataclass(frozen=True)
+class GlobalModel:
+    """The current global model: replaced as a whole, so readers never see a mix."""
+
+    round: int  # rounds completed when this model came out
+    version: str  # ModelState.digest()
+    state: ModelState
+
+
+class TransferCounter:
+    """Tensor bytes that crossed the wire, summed across the servicer's threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in = 0
+        self._out = 0
+
+    def add(self, received: int = 0, sent: int = 0) -> None:
+        with self._lock:
+            self._in += received
+            self._out += sent
+
+    def take(self) -> tuple[int, int]:
+        """(bytes in, bytes out) since the last call."""
+        with self._lock:
+            out = self._in, self._out
+            self._in = self._out = 0
+            return out
+
+
+class Coordinator:
+    """Owns the global model, the strategy, the round state and the run directory's files."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        task: Task,
+        strategy: Strategy,
+        run_dir: RunDir,
+        registry: SessionRegistry,
+        audit: AuditLog,
+        *,
+        resume: bool = False,
+        on_round: RoundCallback | None = None,
+    ) -> None:
+        self.config = config
+        self.task = task
+        self.strategy = strategy
+        self.run_dir = run_dir
+        self.registry = registry
+        self.audit = audit
+        self.on_round = on_round
+        self.fingerprint = task_fingerprint(task)
+        self.device = resolve_device(config.device)
+        self._eval_model = model_for(task, config.seed).to(self.device)
+        self.test_data = task.datasets()[1]
+        self.rng = np.random.default_rng(config.seed)
+        self.transfers = TransferCounter()
+        self.current: RoundState | None = None
+        self.last_metrics: dict[str, Any] = {}
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.resumed = resume
+        if resume:
+            self.global_model, self.run_id = self._load_checkpoint()
+        else:
+            state = ModelState.from_module(self._eval_model)
+            self.global_model = GlobalModel(0, state.digest(), state)
+            self.run_id = uuid.uuid4().hex[:12]  # an identifier, not a secret
+        self._bind_eval_model(self.global_model.state)
+        registry.on_leave(self._on_leave)
+
+    # -- resume ---------------------------------------------------------------------------
+    def _load_checkpoint(self) -> tuple[GlobalModel, str]:
+        done, state, strategy_state, extra = self.run_dir.load_checkpoint()
+        fingerprint = extra.get("fingerprint")
+        if fingerprint != self.fingerprint:
+            raise ConfigError(
+                f"cannot resume {self.run_dir.path}: its checkpoint was made with task "
+                f"fingerprint {fingerprint}, but task = {self.config.task!r} here has "
+                f"{self.fingerprint}; resume with the task the run started with"
+            )
+        expected = ModelState(self._eval_model.state_dict()).specs  # no copy on the CPU
+        if state.specs != expected:
+            raise ConfigError(
+                f"cannot resume {self.run_dir.path}: the checkpointed model's tensors differ "
+                "from the task's model"
+            )
+        self.strategy.load_state_dict(strategy_state)
+        self.rng.bit_generator.state = extra["rng"]
+        log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
+        return GlobalModel(done, state.digest(), state), str(extra["run_id"])
+
+    def _bind_eval_model(self, state: ModelState) -> None:
+        """Point the evaluation model at `state`.
+
+        On the CPU the module's parameters become the state's own tensors (no copy):
+        the server then holds one copy of the global model, not two, which is what
+        keeps its memory near 2x the model (global + accumulator) for large models.
+        Evaluation must not write to the model (the Task contract).
+        """
+        if self.device.type == "cpu":
+            self._eval_model.load_state_dict(dict(state.items()), assign=True)
+        else:
+            state.load_into(self._eval_model)
+
+    # -- thread ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Thread body: every remaining round, then the final model; errors end the run."""
+        try:
+            self.audit.record(
+                "run_resumed" if self.resumed else "run_started",
+                run_id=self.run_id,
+                round=self.global_model.round,
+                rounds=self.config.rounds,
+                task=self.config.task,
+                fingerprint=self.fingerprint,
+                model_version=self.global_model.version,
+            )
+            for server_round in range(self.global_model.round + 1, self.config.rounds + 1):
+                if not self._run_round(server_round):
+                    return
+            self._complete()
+        except Exception as exc:  # the thread's boundary: record it, end the run, never hang
+            log.exception("the round loop failed; the server stops")
+            self.error = exc
+            self.audit.record("run_failed", run_id=self.run_id, error=str(exc))
+        finally:
+            self.finished.set()
+
+    def stop(self) -> None:
+        """Ask the round loop to end as soon as possible (shutdown)."""
+        self._stop.set()
+        self.registry.stop()
+        state = self.current
+        if state is not None:
+            state.wake()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    # -- rounds ---------------------------------------------------------------------------
+    def _run_round(self, server_round: int) -> bool:
+        """Run attempts of one round until one succeeds; False if stopped first."""
+        attempt = 0
+        while not self.stopped:
+            available = self.registry.wait_for(self.strategy.min_available_clients)
+            if available is None:
+                return False
+            plan = self.strategy.configure_round(server_round, available, self.rng)
+            if not plan:
+                self.registry.wait_for_change()
+                continue
+            attempt += 1
+            started = time.perf_counter()
+            state = self._start_attempt(server_round, attempt, plan)
+            state.wait(lambda: self.stopped)
+            summary = state.close()
+            if self.stopped:
+                return False
+            if self._finish(state, summary, started):
+                return True
+            self._retry(summary)
+        return False
+
+    def _start_attempt(
+        self, server_round: int, attempt: int, plan: dict[str, RoundConfig]
+    ) -> RoundState:
+        model = self.global_model
+        sessions = {site: self.registry.get(site) for site in plan}
+        state = RoundState(
+            round=server_round,
+            attempt=attempt,
+            model_version=model.version,
+            plan=plan,
+            tokens={site: s.token for site, s in sessions.items() if s is not None},
+            aggregate=self.strategy.begin_round(server_round, model.state),
+            deadline=time.monotonic() + self.config.round_timeout_s,
+        )
+        for site, session in sessions.items():
+            if session is None:
+                state.outcomes[site] = Outcome.DROPPED
+        self.current = state
+        deadline_unix = time.time() + self.config.round_timeout_s
+        log.info(
+            "round %d (attempt %d): %d site(s) train from model %s: %s",
+            server_round,
+            attempt,
+            len(plan),
+            model.version[:12],
+            ", ".join(sorted(plan)),
+        )
+        self.audit.record(
+            "round_started",
+            round=server_round,
+            attempt=attempt,
+            participants=sorted(plan),
+            model_version=model.version,
+        )
+        for session in sessions.values():
+            if session is None:
+                continue
+            if session.closed:
+                # It ended before `current` was published, so the leave hook missed it.
+                state.settle(session, Outcome.DROPPED)
+                continue
+            instruction = pb.Instruction(
+                round=server_round,
+                kind=pb.TRAIN,
+                model_version=model.version,
+                deadline_unix=deadline_unix,
+            )
+            wire.config_to_proto(plan[session.site], instruction.config)
+            session.send(pb.ServerMessage(instruction=instruction))
+        return state
+
+    def _finish(self, state: RoundState, summary: RoundSummary, started: float) -> bool:
+        """Finalize a successful attempt (model, checkpoint, metrics); False if it failed."""
+        needed = max(1, self.strategy.min_results(len(summary.selected)))
+        if summary.poisoned or len(summary.contributors) < needed:
+            return False
+        server_round = state.round
+        old = self.global_model
+        new_state = self.strategy.finalize_round(server_round, old.state, state.aggregate)
+        self.current = None  # releases the accumulator once in-flight handlers let go
+        model = GlobalModel(server_round, new_state.digest(), new_state)
+        self.global_model = model
+        self._bind_eval_model(new_state)
+        self.run_dir.save_checkpoint(
+            server_round,
+            new_state,
+            self.strategy.state_dict(),
+            extra={
+                "rng": self.rng.bit_generator.state,
+                "run_id": self.run_id,
+                "fingerprint": self.fingerprint,
+                "model_version": model.version,
+            },
+        )
+        bytes_in, bytes_out = self.transfers.take()
+        record: dict[str, Any] = {
+            "round": server_round,
+            "attempts": state.attempt,
+            "clients": len(summary.contributors),
+            "selected": len(summary.selected),
+            "dropped": summary.dropped,
+            "failed": summary.failed,
+            "bytes": bytes_in + bytes_out,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            **self.strategy.aggregate_metrics(summary.results),
+            "loss": None,
+            "accuracy": None,
+        }
+        if self.test_data is not None and (
+            server_round % self.config.eval_every == 0 or server_round == self.config.rounds
+        ):
+            context = TaskContext(device=self.device, client_id="server", seed=self.config.seed)
+            ev = self.task.evaluate(self._eval_model, self.test_data, self.config.client, context)
+            record["loss"], record["accuracy"] = ev.loss, ev.metrics.get("accuracy")
+        record["seconds"] = time.perf_counter() - started
+        self.run_dir.log_metrics(record)
+        self.last_metrics = record
+        self.audit.record(
+            "round_completed",
+            round=server_round,
+            attempt=state.attempt,
+            contributors=summary.contributors,
+            dropped=summary.dropped,
+            failed=summary.failed,
+            model_version=model.version,
+        )
+        if summary.dropped or summary.failed:
+            log.warning(
+                "round %d finished without %s",
+                server_round,
+                ", ".join(summary.dropped + summary.failed),
+            )
+        if self.on_round is not None:
+            self.on_round(record)
+        return True
+
+    def _retry(self, summary: RoundSummary) -> None:
+        needed = max(1, self.strategy.min_results(len(summary.selected)))
+        why = summary.poisoned or (
+            f"{len(summary.contributors)} of {len(summary.selected)} update(s) arrived, "
+            f"{needed} needed (dropped: {summary.dropped or 'none'}, failed: "
+            f"{summary.failed or 'none'}{', deadline passed' if summary.timed_out else ''})"
+        )
+        # Back off between attempts so sites that fail at once cannot make the server spin.
+        delay = min(RETRY_DELAY_MAX_S, RETRY_DELAY_S * 2 ** (summary.attempt - 1))
+        log.warning(
+            "round %d attempt %d failed: %s; retrying in %.1fs",
+            summary.round,
+            summary.attempt,
+            why,
+            delay,
+        )
+        self.audit.record(
+            "round_failed",
+            round=summary.round,
+            attempt=summary.attempt,
+            reason=why,
+            contributors=summary.contributors,
+            dropped=summary.dropped,
+            failed=summary.failed,
+        )
+        limit = self.config.max_round_attempts
+        if limit and summary.attempt >= limit:
+            raise RoundFailed(
+                f"round {summary.round} failed {summary.attempt} attempt(s) (last: {why}); "
+                "check the sites' logs, or raise max_round_attempts / round_timeout_s"
+            )
+        self._stop.wait(delay)
+
+    def _complete(self) -> None:
+        self.run_dir.save_model(self.global_model.state)
+        self.audit.record(
+            "run_completed",
+            run_id=self.run_id,
+            rounds=self.global_model.round,
+            model_version=self.global_model.version,
+        )
+        log.info(
+            "run %s complete: %d rounds, final model %s in %s",
+            self.run_id,
+            self.global_model.round,
+            self.global_model.version[:12],
+            self.run_dir.model_path,
+        )
+        bye = pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+        for session in self.registry.sessions():
+            session.send(bye)
+            self.registry.remove(session, "run complete")
+
+    # -- events from the servicer ----------------------------------------------------------
+    def _on_leave(self, session: Session, reason: str) -> None:
+        state = self.current
+        if state is not None and state.settle(session, Outcome.DROPPED):
+            log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
+
+    def site_failed(self, session: Session, server_round: int, message: str) -> None:
+        """A site reported that it cannot deliver this round's update."""
+        state = self.current
+        if state is not None and state.round == server_round:
+            state.settle(session, Outcome.FAILED)

@@ -1,0 +1,207 @@
+"""`fedtrain demo`: a real deployment on this machine, end to end.
+
+A fresh federation CA issues a server certificate for 127.0.0.1 and one certificate
+per site; a server process and one daemon process per site are started exactly as an
+operator would start them (`fedtrain server` / `fedtrain client` with TOML files), over
+mutual TLS on a free local port. The server reports each round as a JSON line on its
+stdout, which drives the progress display. Every process is stopped on the way out,
+whatever happens (including Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedtrain.errors import FedtrainError
+from fedtrain.runtime import tls
+from fedtrain.runtime.lifecycle import ProcessGroup
+
+log = logging.getLogger(__name__)
+
+NUM_SITES = 4
+DIGITS = {
+    "task": "fedtrain.examples:DigitsTask",
+    "partition": {"kind": "dirichlet", "alpha": 0.5},
+    "client": {"epochs": 2, "batch_size": 16, "lr": 0.05, "momentum": 0.9},
+}
+
+
+class DemoFailed(FedtrainError):
+    """A demo process failed; the message carries the end of its log."""
+
+
+@dataclass
+class DemoResult:
+    history: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+    directory: Path | None = None
+
+    @property
+    def final_accuracy(self) -> float | None:
+        evaluated = [r for r in self.history if r.get("accuracy") is not None]
+        return evaluated[-1]["accuracy"] if evaluated else None
+
+
+# -- helpers (also used by the runtime tests) ---------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS considers free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dump_toml(data: Mapping[str, Any]) -> str:
+    """TOML text for nested tables of scalars and lists (what server/site.toml hold)."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping[str, Any]]] = []
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            tables.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    for name, table in tables:
+        body = dump_toml({k: v for k, v in table.items()})
+        nested = [ln for ln in body.splitlines() if ln.startswith("[")]
+        if nested:
+            raise ValueError(f"dump_toml supports one level of tables; [{name}] nests tables")
+        lines += ["", f"[{name}]", body.rstrip()]
+    return "\n".join(lines).strip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str | Path):
+        return json.dumps(str(value))  # a JSON string is a valid TOML basic string
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ValueError(f"cannot write {value!r} to TOML")
+
+
+def fedtrain_command(*args: str) -> list[str]:
+    """`fedtrain ...` run with this interpreter (no dependence on PATH)."""
+    return [sys.executable, "-m", "fedtrain.cli", *args]
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    if not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+# -- the demo -------------------------------------------------------------------------------
+def write_deployment(root: Path, rounds: int, port: int, run_dir: Path) -> tuple[Path, list[Path]]:
+    """PKI and TOML files for one server and NUM_SITES sites under `root`."""
+    ca_dir = root / "pki" / "ca"
+    tls.init_ca(ca_dir, name="fedtrain-demo-ca", days=3)
+    server_cert, server_key = tls.issue_server(
+        ca_dir, root / "pki" / "server", ["127.0.0.1"], days=2
+    )
+    names = [f"site-{i}" for i in range(NUM_SITES)]
+    address = f"127.0.0.1:{port}"
+    server_toml = root / "server.toml"
+    server_toml.write_text(
+        dump_toml(
+            {
+                "task": DIGITS["task"],
+                "address": address,
+                "run_dir": str(run_dir),
+                "rounds": rounds,
+                "round_timeout_s": 120.0,
+                "allowed_sites": names,
+                "client": DIGITS["client"],
+                "strategy": {"min_fit_clients": NUM_SITES, "min_available_clients": NUM_SITES},
+                "tls": {"ca": ca_dir / tls.CA_CERT, "cert": server_cert, "key": server_key},
+            }
+        )
+    )
+    site_tomls = []
+    for i, name in enumerate(names):
+        cert, key = tls.issue_site(ca_dir, root / "pki" / name, name, days=2)
+        path = root / f"{name}.toml"
+        path.write_text(
+            dump_toml(
+                {
+                    "task": DIGITS["task"],
+                    "server": address,
+                    "data": {**DIGITS["partition"], "partition": i, "num_partitions": NUM_SITES},
+                    "reconnect": {"min_s": 0.2, "max_s": 2.0},
+                    "tls": {"ca": ca_dir / tls.CA_CERT, "cert": cert, "key": key},
+                }
+            )
+        )
+        site_tomls.append(path)
+    return server_toml, site_tomls
+
+
+def run_demo(
+    directory: Path,
+    rounds: int = 10,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    timeout_s: float = 300.0,
+) -> DemoResult:
+    """Run the digits federation in `directory` (PKI, configs, logs, `run/`)."""
+    started = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    logs = directory / "logs"
+    logs.mkdir(exist_ok=True)
+    run_dir = directory / "run"
+    server_toml, site_tomls = write_deployment(directory, rounds, free_port(), run_dir)
+    result = DemoResult(directory=directory)
+    failure: list[str] = []
+    with ProcessGroup() as procs:
+        server = procs.start(
+            "server",
+            fedtrain_command("server", "--config", str(server_toml), "--progress-jsonl"),
+            log_path=logs / "server.log",
+            stdout_pipe=True,
+        )
+        for path in site_tomls:
+            procs.start(
+                path.stem,
+                fedtrain_command("client", "--config", str(path)),
+                log_path=logs / f"{path.stem}.log",
+            )
+
+        def abort(reason: str) -> None:
+            if server.poll() is None:
+                failure.append(reason)
+                procs.send_signal("server")
+
+        def watch(name: str) -> None:
+            code = procs.procs[name].wait()
+            abort(f"{name} exited early with status {code}:\n{tail(logs / f'{name}.log')}")
+
+        for path in site_tomls:
+            threading.Thread(target=watch, args=(path.stem,), daemon=True).start()
+        timer = threading.Timer(timeout_s, abort, args=(f"the demo took over {timeout_s:.0f}s",))
+        timer.daemon = True
+        timer.start()
+        try:
+            assert server.stdout is not None
+            for line in server.stdout:  # one JSON line per finished round, until the server exits
+                record = json.loads(line)
+                result.history.append(record)
+                if on_round is not None:
+                    on_round(record)
+            code = server.wait()
+        finally:
+            timer.cancel()
+        if failure:
+            raise DemoFailed(f"{failure[0]}\nserver log:\n{tail(logs / 'server.log')}")
+        if code != 0:
+            raise DemoFailed(f"the server exited with status {code}:\n{tail(logs / 'server.log')}")
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,400 @@
+"""The gRPC face of the aggregation server: admission, control streams, bulk transfers.
+
+Every request from a site is untrusted. Admission checks the site's identity (its
+certificate under mutual TLS), the allow-list, the protocol version and the task
+fingerprint. Bulk RPCs must carry the token of a live control session belonging to
+the same certificate. Uploads are validated chunk by chunk and spooled (see
+`upload.py`); whatever is wrong becomes a gRPC status naming site, round and tensor,
+an audit record and a log line, and never an exception that escapes a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NoReturn
+
+import grpc
+
+from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.runtime import tls, wire
+from fedtrain.runtime.audit import AuditLog
+from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.coordinator import Coordinator
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.rounds import RoundState, UploadRefused
+from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.runtime.upload import UpdateSpool
+
+log = logging.getLogger(__name__)
+
+
+class FedtrainServicer(pb_grpc.FedtrainServicer):
+    """Implements the Fedtrain service on top of a `Coordinator`."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        coordinator: Coordinator,
+        registry: SessionRegistry,
+        audit: AuditLog,
+        *,
+        secure: bool,
+        spool_dir: Path,
+    ) -> None:
+        self.config = config
+        self.coordinator = coordinator
+        self.registry = registry
+        self.audit = audit
+        self.secure = secure
+        self.spool_dir = spool_dir
+        # Each site holds a worker thread for its control stream; keep room for transfers.
+        self.max_sites = max(1, config.max_workers // 2 - 1)
+
+    # -- Control ----------------------------------------------------------------------------
+    def Control(
+        self, request_iterator: Iterator[pb.SiteMessage], context: grpc.ServicerContext
+    ) -> Iterator[pb.ServerMessage]:
+        try:
+            first = next(request_iterator)
+        except (StopIteration, grpc.RpcError):
+            return
+        if first.WhichOneof("kind") != "join":
+            yield _reject("the first message on the control stream must be a Join")
+            return
+        site, reason = self._admit(first.join, context)
+        if reason is not None:
+            log.warning("refused %s (%s): %s", site or "a peer", context.peer(), reason)
+            self.audit.record("join_refused", site=site, peer=context.peer(), reason=reason)
+            yield _reject(reason)
+            return
+        if self.coordinator.finished.is_set():
+            yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+            return
+        session, replaced = self.registry.add(site, context.peer())
+        if replaced is not None:
+            self.registry.remove(replaced, "replaced by a new connection from the same site")
+        if not context.add_callback(lambda: self._end(session, "control stream closed")):
+            self._end(session, "control stream closed while joining")
+            return
+        log.info("site %r joined from %s", site, context.peer())
+        self.audit.record(
+            "join", site=site, peer=context.peer(), fingerprint=first.join.task_fingerprint
+        )
+        yield pb.ServerMessage(
+            welcome=pb.Welcome(
+                run_id=self.coordinator.run_id,
+                session_token=session.token,
+                site_name=site,
+                heartbeat_interval_s=self.config.heartbeat.interval_s,
+                chunk_bytes=self.config.chunk_bytes,
+            )
+        )
+        threading.Thread(
+            target=self._read, args=(session, request_iterator), name=f"control-{site}", daemon=True
+        ).start()
+        while True:
+            message = session.outbox.get()
+            if message is None:
+                return
+            yield message
+
+    def _admit(self, join: pb.Join, context: grpc.ServicerContext) -> tuple[str | None, str | None]:
+        """(site name, None) if the site may join, else (name if known, reason)."""
+        if join.protocol_version != wire.PROTOCOL_VERSION:
+            return join.site_name or None, (
+                f"protocol version {join.protocol_version} is not supported (server speaks "
+                f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server"
+            )
+        if self.secure:
+            site = tls.peer_site_name(context)
+            if site is None:
+                return (
+                    None,
+                    "no valid site certificate was presented (need clientAuth, CN = site name)",
+                )
+            if join.site_name and join.site_name != site:
+                return site, (
+                    f"the Join names site {join.site_name!r} but the certificate is for {site!r}; "
+                    "fix `name` in site.toml or leave it empty"
+                )
+        else:
+            try:
+                site = tls.validate_site_name(join.site_name)
+            except ConfigError as exc:
+                return join.site_name or None, f"without TLS the Join must carry a site name: {exc}"
+        allowed = self.config.allowed_sites
+        if allowed and site not in allowed:
+            return site, (
+                f"site {site!r} is not on this server's allowed_sites ({', '.join(allowed)}); "
+                "the server operator must add it to server.toml"
+            )
+        if join.task_fingerprint != self.coordinator.fingerprint:
+            return site, (
+                f"task fingerprint mismatch: site {site!r} runs fingerprint "
+                f"{join.task_fingerprint or '(none)'}, the server runs "
+                f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
+                "same task code and version at the site"
+            )
+        if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
+            return site, (
+                f"the server is at capacity ({self.max_sites} sites); the operator must "
+                "raise max_workers in server.toml"
+            )
+        return site, None
+
+    def _read(self, session: Session, request_iterator: Iterator[pb.SiteMessage]) -> None:
+        """Consume a site's control messages (its own thread: the handler is busy sending)."""
+        reason = "control stream ended by the site"
+        try:
+            for message in request_iterator:
+                session.touch()
+                kind = message.WhichOneof("kind")
+                if kind == "heartbeat":
+                    continue
+                if kind == "error":
+                    err = message.error
+                    log.warning(
+                        "site %r reports for round %d: %s", session.site, err.round, err.message
+                    )
+                    self.audit.record(
+                        "site_error", site=session.site, round=err.round, message=err.message
+                    )
+                    self.coordinator.site_failed(session, err.round, err.message)
+                elif kind == "secagg":
+                    log.warning(
+                        "site %r sent a secure-aggregation message, but this server does not "
+                        "run secure aggregation; ignored",
+                        session.site,
+                    )
+                else:
+                    reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
+                    log.warning("site %r: %s", session.site, reason)
+                    break
+        except grpc.RpcError:
+            reason = "control stream broke"
+        finally:
+            self._end(session, reason)
+
+    def _end(self, session: Session, reason: str) -> None:
+        self.registry.remove(session, reason)  # idempotent; the server audits every leave
+
+    # -- bulk transfers ----------------------------------------------------------------------
+    def _session(self, token: str, context: grpc.ServicerContext, what: str) -> Session:
+        session = self.registry.by_token(token)
+        if session is None:
+            self._deny(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what} from {context.peer()}: unknown session token (the session ended or "
+                "the server restarted); the site must rejoin on its control stream first",
+            )
+        if self.secure and tls.peer_site_name(context) != session.site:
+            self._deny(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what}: the session belongs to site {session.site!r}, not to this "
+                f"certificate ({tls.peer_site_name(context)!r})",
+            )
+        session.touch()
+        return session
+
+    def _deny(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        """Refuse a bulk request that belongs to no (valid) session: log, audit, abort."""
+        log.warning("refused: %s", message)
+        self.audit.record("request_refused", peer=context.peer(), code=code.name, reason=message)
+        _abort(context, code, message)
+
+    def DownloadModel(
+        self, request: pb.ModelRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.ModelPiece | object]:
+        session = self._session(request.session_token, context, "model download")
+        model = self.coordinator.global_model
+        if request.version and request.version != model.version:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {session.site!r} asked for model {request.version[:12]}, but the current "
+                f"global model is {model.version[:12]} (after round {model.round})",
+            )
+        log.debug("site %r downloads model %s", session.site, model.version[:12])
+        yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
+        for chunk in model.state.chunks(self.config.chunk_bytes):
+            self.coordinator.transfers.add(sent=len(chunk.data))
+            yield chunk  # serialized straight from the tensor's memory (wire.serialize_stream_item)
+
+    def UploadUpdate(
+        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    ) -> pb.UploadReceipt:
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
+        except grpc.RpcError:
+            return pb.UploadReceipt()  # the site cancelled before sending anything
+        if first.WhichOneof("kind") != "header":
+            self._deny(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its header"
+            )
+        header = first.header
+        session = self._session(header.session_token, context, f"upload for round {header.round}")
+        state = self.coordinator.current
+        where = f"site {session.site!r}, round {header.round}"
+        try:
+            if state is None:
+                raise UploadRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where}: no round is in progress; update dropped",
+                )
+            if header.num_examples < 1:
+                raise UploadRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: num_examples must be >= 1 (it weights the update), got "
+                    f"{header.num_examples}",
+                )
+            state.admit(session, header.round, header.model_version)
+        except UploadRefused as exc:
+            self._refuse(context, session, header.round, exc.code, str(exc))
+        try:
+            received = self._receive(state, session, header, request_iterator)
+        except grpc.RpcError:
+            state.abandon(session.site)
+            log.warning("%s: the upload stream broke off; partial update discarded", where)
+            self.audit.record("upload_aborted", site=session.site, round=header.round)
+            return pb.UploadReceipt()
+        except UploadRefused as exc:
+            state.abandon(session.site)
+            self._refuse(context, session, header.round, exc.code, str(exc))
+        except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
+            state.abandon(session.site)
+            self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: update rejected: {exc}",
+            )
+        except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
+            state.abandon(session.site)
+            log.exception("%s: the upload failed on the server", where)
+            self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INTERNAL,
+                f"{where}: the server failed to store the update ({exc}); it may be retried",
+            )
+        log.info("%s: update of %d bytes aggregated", where, received)
+        self.audit.record(
+            "upload",
+            site=session.site,
+            round=header.round,
+            bytes=received,
+            num_examples=header.num_examples,
+        )
+        return pb.UploadReceipt(round=header.round, bytes_received=received)
+
+    def _receive(
+        self,
+        state: RoundState,
+        session: Session,
+        header: pb.UploadHeader,
+        request_iterator: Iterator[pb.UpdateChunk],
+    ) -> int:
+        """Spool, validate and fold one upload; returns the bytes received."""
+        model = self.coordinator.global_model
+        with UpdateSpool(model.state.specs, self.spool_dir, self.config.chunk_bytes) as spool:
+            for message in request_iterator:
+                if message.WhichOneof("kind") != "chunk":
+                    raise UploadRefused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"site {session.site!r}, round {header.round}: a second header "
+                        "in one upload",
+                    )
+                chunk = wire.chunk_from_proto(message.chunk)
+                self.coordinator.transfers.add(received=len(chunk.data))
+                spool.add(chunk)
+            spool.finish()
+            state.commit(session, spool, header.num_examples, dict(header.metrics))
+            return spool.bytes_received
+
+    def _refuse(
+        self,
+        context: grpc.ServicerContext,
+        session: Session,
+        server_round: int,
+        code: grpc.StatusCode,
+        message: str,
+    ) -> NoReturn:
+        log.warning("upload refused: %s", message)
+        self.audit.record(
+            "upload_rejected", site=session.site, round=server_round, code=code.name, reason=message
+        )
+        _abort(context, code, message)
+
+    # -- Status ------------------------------------------------------------------------------
+    def Status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatusReply:
+        now = time.monotonic()
+        coordinator = self.coordinator
+        state = coordinator.current
+        metrics = {
+            k: float(v)
+            for k, v in coordinator.last_metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        return pb.StatusReply(
+            run_id=coordinator.run_id,
+            round=state.round if state is not None else coordinator.global_model.round,
+            total_rounds=self.config.rounds,
+            sites=[
+                pb.SiteStatus(
+                    name=s.site,
+                    connected_for_s=now - s.joined_at,
+                    last_heartbeat_age_s=now - s.last_seen,
+                )
+                for s in self.registry.sessions()
+            ],
+            last_metrics=metrics,
+            model_version=coordinator.global_model.version,
+            finished=coordinator.finished.is_set(),
+        )
+
+
+def _reject(reason: str) -> pb.ServerMessage:
+    return pb.ServerMessage(reject=pb.Reject(reason=reason))
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, with model chunks serialized without protobuf's extra copy."""
+    handlers = {
+        "Control": grpc.stream_stream_rpc_method_handler(
+            servicer.Control,
+            request_deserializer=pb.SiteMessage.FromString,
+            response_serializer=pb.ServerMessage.SerializeToString,
+        ),
+        "DownloadModel": grpc.unary_stream_rpc_method_handler(
+            servicer.DownloadModel,
+            request_deserializer=pb.ModelRequest.FromString,
+            response_serializer=wire.serialize_stream_item,
+        ),
+        "UploadUpdate": grpc.stream_unary_rpc_method_handler(
+            servicer.UploadUpdate,
+            request_deserializer=pb.UpdateChunk.FromString,
+            response_serializer=pb.UploadReceipt.SerializeToString,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            servicer.Status,
+            request_deserializer=pb.Empty.FromString,
+            response_serializer=pb.StatusReply.SerializeToString,
+        ),
+    }
+    return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)

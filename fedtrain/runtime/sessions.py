@@ -1,0 +1,137 @@
+"""The sites connected right now: one session per live control stream.
+
+A session owns the outbox its control stream drains, so the coordinator *pushes* an
+instruction by putting it there; nothing polls. Membership changes notify a
+condition the coordinator waits on, and leave listeners turn a vanished site into a
+dropout of the round in progress.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+LeaveListener = Callable[["Session", str], None]
+
+
+def new_session_token() -> str:
+    """An unguessable token binding bulk RPCs to a control session.
+
+    It is a credential (without TLS it is all that stops a peer from uploading in a
+    site's name), hence `secrets` rather than a seeded generator.
+    """
+    return secrets.token_hex(16)
+
+
+@dataclass(eq=False)
+class Session:
+    """One site's live control stream."""
+
+    site: str
+    peer: str
+    token: str = field(default_factory=new_session_token)
+    joined_at: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    outbox: queue.SimpleQueue[pb.ServerMessage | None] = field(default_factory=queue.SimpleQueue)
+    closed: bool = False
+
+    def send(self, message: pb.ServerMessage) -> None:
+        """Queue a message for the site; its control stream sends it at once."""
+        self.outbox.put(message)
+
+    def touch(self) -> None:
+        self.last_seen = time.monotonic()
+
+
+class SessionRegistry:
+    """Sessions by site and by token; thread-safe, with a condition for membership changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)
+        self._by_site: dict[str, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self._listeners: list[LeaveListener] = []
+        self._stopped = False
+
+    def on_leave(self, listener: LeaveListener) -> None:
+        self._listeners.append(listener)
+
+    def add(self, site: str, peer: str) -> tuple[Session, Session | None]:
+        """Register a new session for `site`; returns it and the session it replaced.
+
+        A site that reconnects before its old stream was noticed dead replaces it; the
+        caller must `remove` the replaced one (which ends its stream).
+        """
+        session = Session(site=site, peer=peer)
+        with self._lock:
+            old = self._by_site.get(site)
+            self._by_site[site] = session
+            self._by_token[session.token] = session
+            self.changed.notify_all()
+        return session, old
+
+    def remove(self, session: Session, reason: str) -> bool:
+        """End a session (idempotent). Listeners run outside the lock; True if it was live."""
+        with self._lock:
+            if session.closed:
+                return False
+            session.closed = True
+            self._by_token.pop(session.token, None)
+            if self._by_site.get(session.site) is session:
+                del self._by_site[session.site]
+            self.changed.notify_all()
+        session.outbox.put(None)  # ends the control stream's send loop
+        for listener in self._listeners:
+            listener(session, reason)
+        return True
+
+    def by_token(self, token: str) -> Session | None:
+        with self._lock:
+            return self._by_token.get(token)
+
+    def get(self, site: str) -> Session | None:
+        with self._lock:
+            return self._by_site.get(site)
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._by_site.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_site)
+
+    def wait_for(self, count: int) -> list[str] | None:
+        """Block until at least `count` sites are connected; their names, or None if stopped."""
+        with self._lock:
+            while len(self._by_site) < count and not self._stopped:
+                self.changed.wait()
+            return None if self._stopped else sorted(self._by_site)
+
+    def wait_for_change(self) -> None:
+        """Block until a site joins or leaves (or the registry stops)."""
+        with self._lock:
+            if not self._stopped:
+                self.changed.wait()
+
+    def stop(self) -> None:
+        """Wake every waiter for good (server shutdown)."""
+        with self._lock:
+            self._stopped = True
+            self.changed.notify_all()
+
+    def silent_for(self, timeout_s: float) -> list[Session]:
+        """Sessions whose last message is older than `timeout_s` seconds."""
+        cutoff = time.monotonic() - timeout_s
+        with self._lock:
+            return [s for s in self._by_site.values() if s.last_seen < cutoff]

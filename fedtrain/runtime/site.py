@@ -1,0 +1,436 @@
+"""The site daemon: dial out, join, and train whenever the server pushes an instruction.
+
+One control stream carries the join, heartbeats (a timer thread: liveness, not a
+poll for work) and errors up, and instructions down. Work runs on a trainer thread
+so the control stream stays responsive: download the global model (skipped when
+the version is cached), train with the task, upload the delta in chunks. Anything
+that breaks the connection sends the daemon back to reconnecting with exponential
+backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
+that restarts with `--resume` is simply rejoined.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
+from fedtrain.runtime import tls, wire
+from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.site_data import site_dataset
+from fedtrain.strategy import compute_delta
+from fedtrain.task import (
+    Task,
+    TaskContext,
+    TrainResult,
+    load_task,
+    model_for,
+    resolve_device,
+    task_fingerprint,
+)
+from fedtrain.tensors import Chunk, ModelState, StateAssembler, chunk_values, torch_dtype
+
+log = logging.getLogger(__name__)
+
+CAPABILITIES = ("train",)
+
+
+class JoinRefused(FedtrainError):
+    """The server refused this site (allow-list, fingerprint, protocol version, ...)."""
+
+
+class Backoff:
+    """Exponential reconnect delays with full jitter between min_s and the current cap.
+
+    The jitter is deliberately unseeded: its job is to keep many sites that lost the
+    same server from reconnecting in lockstep.
+    """
+
+    def __init__(self, min_s: float, max_s: float) -> None:
+        self.min_s = min_s
+        self.max_s = max_s
+        self._cap = min_s
+        self._rng = np.random.default_rng()
+
+    def next(self) -> float:
+        delay = float(self._rng.uniform(self.min_s, self._cap))
+        self._cap = min(self.max_s, self._cap * 2)
+        return delay
+
+    def reset(self) -> None:
+        self._cap = self.min_s
+
+
+@dataclass(eq=False)
+class Link:
+    """One joined session: its channel, token and the queue that feeds the control stream."""
+
+    channel: grpc.Channel
+    token: str
+    run_id: str
+    chunk_bytes: int
+    outbox: queue.SimpleQueue[pb.SiteMessage | None]
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def report(self, server_round: int, message: str) -> None:
+        """Tell the server this round failed here, so it need not wait for the deadline."""
+        if not self.closed.is_set():
+            self.outbox.put(pb.SiteMessage(error=pb.SiteError(round=server_round, message=message)))
+
+
+class SiteDaemon:
+    """A site's long-running client; `run()` blocks until `stop()`."""
+
+    def __init__(
+        self,
+        config: SiteConfig,
+        *,
+        insecure: bool = False,
+        task: Task | None = None,
+        data: Dataset | None = None,
+    ) -> None:
+        self.config = config
+        self.insecure = insecure
+        self._credentials: grpc.ChannelCredentials | None = None
+        if insecure:
+            if not config.name:
+                raise ConfigError("site.toml: `name` is required without TLS (--insecure)")
+            self.name = tls.validate_site_name(config.name)
+            log.warning("connecting WITHOUT TLS (--insecure): use this only for local tests")
+        else:
+            ca, cert, key = config.tls.require("site.toml")
+            info = tls.check_certificate(cert, ca, purpose="site", key_path=key)
+            if config.name and config.name != info.common_name:
+                raise ConfigError(
+                    f"site.toml: name = {config.name!r} but the certificate {cert} is for "
+                    f"{info.common_name!r}; fix `name` or leave it empty"
+                )
+            self.name = str(info.common_name)
+            self._credentials = tls.channel_credentials(cert, key, ca)
+        self.task = task or load_task(config.task, config.task_options)
+        self.fingerprint = task_fingerprint(self.task)
+        self.device = resolve_device(config.device)
+        self.data = data if data is not None else site_dataset(self.task, config.data, self.name)
+        self.model = model_for(self.task, config.seed).to(self.device)
+        self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
+        #: Model downloads actually made (cache hits are not downloads).
+        self.downloads = 0
+        self.rounds_trained = 0
+        self._cache: tuple[str, ModelState] | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
+        self._call: grpc.Call | None = None
+        self._job: tuple[Link, pb.Instruction] | None = None
+        self._job_ready = threading.Condition()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def run(self) -> None:
+        """Join and serve instructions; reconnect with backoff until `stop()`."""
+        trainer = threading.Thread(target=self._train_loop, name="fedtrain-trainer", daemon=True)
+        trainer.start()
+        backoff = Backoff(self.config.reconnect.min_s, self.config.reconnect.max_s)
+        last_failure = ""
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._session(backoff)
+                    last_failure = ""
+                except grpc.RpcError as exc:
+                    if self._stop.is_set():
+                        break
+                    failure = _describe(exc)
+                    # Warn once per kind of failure; a server that stays down is one story.
+                    level = logging.INFO if failure == last_failure else logging.WARNING
+                    log.log(level, "connection to %s failed: %s", self.config.server, failure)
+                    last_failure = failure
+                except JoinRefused as exc:
+                    log.error("the server refused this site: %s", exc)
+                except FedtrainError as exc:  # e.g. the server broke the protocol
+                    log.error("session with %s failed: %s", self.config.server, exc)
+                if self._stop.is_set():
+                    break
+                delay = backoff.next()
+                log.info("reconnecting to %s in %.1fs", self.config.server, delay)
+                self._stop.wait(delay)
+        finally:
+            self.stop()
+            trainer.join(timeout=5.0)
+        log.info("site %r stopped", self.name)
+
+    def stop(self) -> None:
+        """Leave: cancel the control stream and end the threads (idempotent, signal-safe)."""
+        self._stop.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        with self._job_ready:
+            self._job_ready.notify_all()
+
+    # -- the control stream ------------------------------------------------------------------
+    def _channel(self) -> grpc.Channel:
+        options = wire.channel_options(self.config.max_message_bytes)
+        if self._credentials is None:
+            return grpc.insecure_channel(self.config.server, options=options)
+        if self.config.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
+        return grpc.secure_channel(self.config.server, self._credentials, options=options)
+
+    def _join_message(self) -> pb.SiteMessage:
+        cached = self._cache[0] if self._cache is not None else ""
+        return pb.SiteMessage(
+            join=pb.Join(
+                site_name=self.name if (self.insecure or self.config.name) else "",
+                task_fingerprint=self.fingerprint,
+                protocol_version=wire.PROTOCOL_VERSION,
+                capabilities=CAPABILITIES,
+                cached_model_version=cached,
+            )
+        )
+
+    def _session(self, backoff: Backoff) -> None:
+        """One connection: join, then dispatch server messages until the stream ends."""
+        channel = self._channel()
+        outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+        outbox.put(self._join_message())
+        control = channel.stream_stream(
+            wire.method_path("Control"),
+            request_serializer=pb.SiteMessage.SerializeToString,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
+        call = control(_drain(outbox))
+        with self._lock:
+            self._call = call
+        if self._stop.is_set():
+            call.cancel()
+        link: Link | None = None
+        try:
+            for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "welcome":
+                    link = self._welcome(channel, outbox, message.welcome)
+                    backoff.reset()
+                elif kind == "instruction":
+                    if link is None:
+                        raise ProtocolError("the server sent an instruction before Welcome")
+                    self._submit(link, message.instruction)
+                elif kind == "reject":
+                    raise JoinRefused(message.reject.reason)
+                elif kind == "shutdown":
+                    log.info("the server closed the session: %s", message.shutdown.reason)
+                    return
+                else:
+                    log.warning("ignoring a %s message this site does not handle", kind)
+            log.info("the server ended the control stream")
+        finally:
+            if link is not None:
+                link.closed.set()
+            outbox.put(None)
+            call.cancel()
+            channel.close()
+            with self._lock:
+                self._call = None
+
+    def _welcome(
+        self, channel: grpc.Channel, outbox: queue.SimpleQueue[pb.SiteMessage | None], w: pb.Welcome
+    ) -> Link:
+        link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
+        log.info("site %r joined run %s", w.site_name, w.run_id)
+        threading.Thread(
+            target=_heartbeat,
+            args=(link, w.heartbeat_interval_s),
+            name="fedtrain-heartbeat",
+            daemon=True,
+        ).start()
+        return link
+
+    # -- work ----------------------------------------------------------------------------------
+    def _submit(self, link: Link, instruction: pb.Instruction) -> None:
+        """Hand an instruction to the trainer; a newer one replaces one not yet started."""
+        if instruction.kind != pb.TRAIN:
+            log.warning(
+                "ignoring a %s instruction (only TRAIN is supported)",
+                pb.InstructionKind.Name(instruction.kind),
+            )
+            return
+        with self._job_ready:
+            self._job = (link, instruction)
+            self._job_ready.notify()
+
+    def _train_loop(self) -> None:
+        while True:
+            with self._job_ready:
+                while self._job is None and not self._stop.is_set():
+                    self._job_ready.wait()
+                if self._stop.is_set():
+                    return
+                link, instruction = self._job  # type: ignore[misc]
+                self._job = None
+            self._run_instruction(link, instruction)
+
+    def _run_instruction(self, link: Link, instruction: pb.Instruction) -> None:
+        server_round = instruction.round
+        if link.closed.is_set():
+            return
+        try:
+            clock = _PhaseClock()
+            global_state = self.fetch_model(link, instruction.model_version)
+            clock.mark("model")
+            config = wire.config_from_proto(instruction.config)
+            global_state.load_into(self.model)
+            result = self.task.train(self.model, self.data, config, self.context)
+            clock.mark("train")
+            # Views of the trained weights (no copy on the CPU); the delta is computed
+            # chunk by chunk while it streams out.
+            local = ModelState(self.model.state_dict())
+            receipt = self._upload(
+                link, instruction, delta_chunks(local, global_state, link.chunk_bytes), result
+            )
+            clock.mark("upload")
+            self.rounds_trained += 1
+            log.info(
+                "round %d: trained on %d examples, uploaded %d bytes (%s)",
+                server_round,
+                result.num_examples,
+                receipt.bytes_received,
+                clock,
+            )
+        except grpc.RpcError as exc:
+            if link.closed.is_set() or self._stop.is_set():
+                log.info("round %d abandoned: the session ended", server_round)
+                return
+            log.warning(
+                "round %d: the server refused or lost the transfer: %s",
+                server_round,
+                _describe(exc),
+            )
+            link.report(server_round, _describe(exc))
+        except Exception as exc:  # the task's code may raise anything; the daemon survives it
+            log.exception("round %d failed at this site", server_round)
+            link.report(server_round, f"{type(exc).__name__}: {exc}")
+
+    def fetch_model(self, link: Link, version: str) -> ModelState:
+        """The global model of `version`: from the cache, or downloaded in chunks."""
+        cached = self._cache
+        if cached is not None and cached[0] == version:
+            log.debug("model %s is cached; no download", version[:12])
+            return cached[1]
+        self._cache = cached = None  # let the old version go before the new one arrives
+        download = link.channel.unary_stream(
+            wire.method_path("DownloadModel"),
+            request_serializer=pb.ModelRequest.SerializeToString,
+            response_deserializer=pb.ModelPiece.FromString,
+        )
+        pieces = download(pb.ModelRequest(version=version, session_token=link.token))
+        head = next(pieces, None)
+        if head is None or head.WhichOneof("kind") != "manifest":
+            raise ProtocolError("a model download must start with its manifest")
+        if head.manifest.model_version != version:
+            raise ProtocolError(
+                f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
+            )
+        assembler = StateAssembler([wire.spec_from_proto(s) for s in head.manifest.specs])
+        for piece in pieces:
+            if piece.WhichOneof("kind") != "chunk":
+                raise ProtocolError("a model download holds a second manifest")
+            assembler.add(wire.chunk_from_proto(piece.chunk))
+        state = assembler.finish()
+        self._cache = (version, state)
+        self.downloads += 1
+        return state
+
+    def _upload(
+        self,
+        link: Link,
+        instruction: pb.Instruction,
+        delta: Iterator[Chunk],
+        result: TrainResult,
+    ) -> pb.UploadReceipt:
+        upload = link.channel.stream_unary(
+            wire.method_path("UploadUpdate"),
+            request_serializer=wire.serialize_stream_item,
+            response_deserializer=pb.UploadReceipt.FromString,
+        )
+        header = pb.UploadHeader(
+            round=instruction.round,
+            session_token=link.token,
+            num_examples=result.num_examples,
+            metrics={k: float(v) for k, v in result.metrics.items()},
+            model_version=instruction.model_version,
+        )
+
+        def items() -> Iterator[object]:
+            yield pb.UpdateChunk(header=header)
+            yield from delta
+
+        return upload(items())
+
+
+def delta_chunks(local: ModelState, global_state: ModelState, chunk_bytes: int) -> Iterator[Chunk]:
+    """The update `compute_delta(local, global_state)`, produced chunk by chunk.
+
+    Same bytes as computing the delta whole and chunking it, but the site never holds
+    a third model-sized buffer (global + trained model is all): for a large model that
+    is the difference between fitting in memory or not.
+    """
+    for piece in global_state.chunks(chunk_bytes):
+        start = piece.offset // torch_dtype(piece.dtype).itemsize
+        values = chunk_values(piece)
+        mine = local[piece.name].reshape(-1)[start : start + values.numel()]
+        delta = compute_delta(ModelState({piece.name: mine}), ModelState({piece.name: values}))
+        data = memoryview(delta[piece.name].view(torch.uint8).numpy())
+        yield Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
+
+
+class _PhaseClock:
+    """Seconds per phase of a round, for the log line operators read when a round is slow."""
+
+    def __init__(self) -> None:
+        self._last = time.perf_counter()
+        self._phases: list[tuple[str, float]] = []
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._phases.append((phase, now - self._last))
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._phases)
+
+
+def _drain(outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> Iterator[pb.SiteMessage]:
+    """The control stream's requests: whatever is queued, until the None sentinel."""
+    while True:
+        message = outbox.get()
+        if message is None:
+            return
+        yield message
+
+
+def _heartbeat(link: Link, interval_s: float) -> None:
+    sequence = 0
+    while not link.closed.wait(interval_s):
+        sequence += 1
+        link.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=sequence)))
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    text = f"{code.name if code else 'error'}: {details}"
+    if code is grpc.StatusCode.UNAVAILABLE and "handshake" in (details or "").lower():
+        text += (
+            " (the TLS handshake failed: check that this site's certificate was issued by "
+            "the federation CA the server trusts, and that tls.ca is that CA)"
+        )
+    return text

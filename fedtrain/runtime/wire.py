@@ -1,0 +1,147 @@
+"""Conversions between fedtrain's objects and the protobuf messages, and gRPC plumbing.
+
+Outgoing tensor chunks are encoded by hand (`encode_chunk_message`): the protobuf
+runtime would first copy a chunk's memoryview into `bytes`, then copy it again while
+serializing. Writing the few header bytes ourselves and joining them with the tensor
+memory costs one copy, and the result is byte-for-byte what protobuf produces, so
+the peer decodes it with the generated classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from fedtrain.errors import ProtocolError
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.strategy import RoundConfig, Scalar
+from fedtrain.tensors import Chunk, TensorSpec
+
+#: Bumped when server and site can no longer talk; a Join with another one is refused.
+PROTOCOL_VERSION = 1
+SERVICE = pb.DESCRIPTOR.services_by_name["Fedtrain"].full_name
+#: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
+HEADER_ALLOWANCE = 64 * 1024
+
+
+def method_path(name: str) -> str:
+    """The gRPC path of one of the Fedtrain service's methods."""
+    return f"/{SERVICE}/{name}"
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """Options shared by the server and site channels: message limits sized for chunks."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+# -- scalars (round config) ---------------------------------------------------------------
+def scalar_to_proto(value: Scalar, out: pb.Scalar) -> None:
+    # bool before int: bool is an int subclass in Python.
+    if isinstance(value, bool):
+        out.bool_value = value
+    elif isinstance(value, int):
+        out.int_value = value
+    elif isinstance(value, float):
+        out.float_value = value
+    elif isinstance(value, str):
+        out.string_value = value
+    else:
+        raise ProtocolError(
+            f"round config value {value!r} is a {type(value).__name__}; only bool, int, "
+            "float and str can travel"
+        )
+
+
+def scalar_from_proto(msg: pb.Scalar) -> Scalar:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ProtocolError("round config holds an empty value")
+    return getattr(msg, kind)
+
+
+def config_to_proto(config: Mapping[str, Scalar], out: Any) -> None:
+    """Fill a protobuf `map<string, Scalar>` field from a round config."""
+    for key, value in config.items():
+        scalar_to_proto(value, out[key])
+
+
+def config_from_proto(field: Mapping[str, pb.Scalar]) -> RoundConfig:
+    return {key: scalar_from_proto(value) for key, value in field.items()}
+
+
+# -- tensors --------------------------------------------------------------------------------
+def spec_to_proto(spec: TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(name=spec.name, dtype=spec.dtype, shape=spec.shape)
+
+
+def spec_from_proto(msg: pb.TensorSpec) -> TensorSpec:
+    return TensorSpec(msg.name, msg.dtype, tuple(msg.shape))
+
+
+def manifest(version: str, specs: Iterable[TensorSpec]) -> pb.Manifest:
+    specs = tuple(specs)
+    return pb.Manifest(
+        model_version=version,
+        specs=[spec_to_proto(s) for s in specs],
+        total_bytes=sum(s.nbytes for s in specs),
+    )
+
+
+def chunk_from_proto(msg: pb.TensorChunk) -> Chunk:
+    return Chunk(msg.name, msg.dtype, tuple(msg.shape), msg.offset, msg.data)
+
+
+def chunk_to_proto(chunk: Chunk) -> pb.TensorChunk:
+    """A TensorChunk message (copies the data; the hot paths use encode_chunk_message)."""
+    return pb.TensorChunk(
+        name=chunk.name,
+        dtype=chunk.dtype,
+        shape=chunk.shape,
+        offset=chunk.offset,
+        data=bytes(chunk.data),
+    )
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+_LEN = 2  # protobuf wire type of length-delimited fields
+_DATA_KEY = _varint(pb.TensorChunk.DESCRIPTOR.fields_by_name["data"].number << 3 | _LEN)
+#: ModelPiece.chunk and UpdateChunk.chunk share this field number (checked below).
+_CHUNK_FIELD = pb.ModelPiece.DESCRIPTOR.fields_by_name["chunk"].number
+assert pb.UpdateChunk.DESCRIPTOR.fields_by_name["chunk"].number == _CHUNK_FIELD
+_CHUNK_KEY = _varint(_CHUNK_FIELD << 3 | _LEN)
+
+
+def encode_chunk_message(chunk: Chunk) -> bytes:
+    """A serialized ModelPiece / UpdateChunk holding `chunk`, with one copy of the data.
+
+    `data` is the TensorChunk's last field, so appending it after the protobuf-encoded
+    header is exactly the canonical encoding.
+    """
+    header = pb.TensorChunk(
+        name=chunk.name, dtype=chunk.dtype, shape=chunk.shape, offset=chunk.offset
+    ).SerializeToString()
+    size = len(chunk.data)
+    data_prefix = _DATA_KEY + _varint(size) if size else b""
+    inner_len = len(header) + len(data_prefix) + size
+    return b"".join((_CHUNK_KEY, _varint(inner_len), header, data_prefix, chunk.data))
+
+
+def serialize_stream_item(item: Chunk | Any) -> bytes:
+    """gRPC serializer for ModelPiece / UpdateChunk streams: a Chunk or a message."""
+    if isinstance(item, Chunk):
+        return encode_chunk_message(item)
+    return item.SerializeToString()

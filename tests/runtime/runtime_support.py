@@ -1,0 +1,311 @@
+"""Test tasks and helpers for the runtime tests.
+
+This directory is put on sys.path (conftest.py) and on the PYTHONPATH of the server
+and site processes the integration tests start, so `runtime_support:TinyTask` names
+the same task, with the same fingerprint, in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from fedtrain.runtime import tls, wire
+from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.demo import dump_toml, fedtrain_command, free_port, tail
+from fedtrain.runtime.lifecycle import ProcessGroup
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.strategy import RoundConfig
+from fedtrain.task import TaskContext, TorchTask, TrainResult
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- tasks ------------------------------------------------------------------------------------
+class TinyTask(TorchTask):
+    """Logistic regression on 200 synthetic points; no download, fast to import.
+
+    `delay_s` makes training take at least that long, so a test can act mid-round.
+    """
+
+    def __init__(self, delay_s: float = 0.0, features: int = 8) -> None:
+        self.delay_s = delay_s
+        self.features = features
+
+    def model(self) -> nn.Module:
+        return nn.Linear(self.features, 2)
+
+    def datasets(self) -> tuple[Dataset, Dataset]:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(260, self.features, generator=gen)
+        y = (x[:, 0] + 0.5 * x[:, 1] > 0).long()
+        return TensorDataset(x[:200], y[:200]), TensorDataset(x[200:], y[200:])
+
+    def train(
+        self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
+    ) -> TrainResult:
+        started = time.monotonic()
+        result = super().train(model, data, config, context)
+        time.sleep(max(0.0, self.delay_s - (time.monotonic() - started)))
+        return result
+
+
+class Bf16Net(nn.Module):
+    """bfloat16 weights plus an int64 buffer: dtypes numpy cannot even represent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 3).to(torch.bfloat16)
+        self.register_buffer("steps", torch.arange(5, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(torch.bfloat16)).float()
+
+
+class Bf16Task(TinyTask):
+    def __init__(self) -> None:
+        super().__init__(features=6)
+
+    def model(self) -> nn.Module:
+        return Bf16Net()
+
+
+# -- a hand-driven site over the generated stub -------------------------------------------------
+class FakeSite:
+    """A site driven by the test through the generated stub: join, read, upload by hand."""
+
+    def __init__(self, port: int, name: str, fingerprint: str) -> None:
+        self.name = name
+        self.channel = grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=wire.channel_options(64 * 1024 * 1024)
+        )
+        self.stub = pb_grpc.FedtrainStub(self.channel)
+        self.outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[pb.ServerMessage | None] = queue.SimpleQueue()
+        self.outbox.put(
+            pb.SiteMessage(
+                join=pb.Join(
+                    site_name=name,
+                    task_fingerprint=fingerprint,
+                    protocol_version=wire.PROTOCOL_VERSION,
+                )
+            )
+        )
+        self.call = self.stub.Control(self._requests())
+        threading.Thread(target=self._read, daemon=True).start()
+        welcome = self.expect("welcome")
+        self.token = welcome.welcome.session_token
+
+    def _requests(self) -> Iterator[pb.SiteMessage]:
+        while (message := self.outbox.get()) is not None:
+            yield message
+
+    def _read(self) -> None:
+        try:
+            for message in self.call:
+                self.inbox.put(message)
+        except grpc.RpcError:
+            pass
+        self.inbox.put(None)
+
+    def expect(self, kind: str, timeout: float = 10.0) -> pb.ServerMessage:
+        message = self.inbox.get(timeout=timeout)
+        assert message is not None, f"{self.name}: control stream ended while expecting {kind}"
+        assert message.WhichOneof("kind") == kind, f"{self.name}: expected {kind}, got {message}"
+        return message
+
+    def heartbeat(self) -> None:
+        self.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=1)))
+
+    def report_error(self, server_round: int, message: str) -> None:
+        self.outbox.put(pb.SiteMessage(error=pb.SiteError(round=server_round, message=message)))
+
+    def download(self, version: str) -> tuple[pb.Manifest, list[pb.TensorChunk]]:
+        pieces = list(
+            self.stub.DownloadModel(pb.ModelRequest(version=version, session_token=self.token))
+        )
+        assert pieces[0].WhichOneof("kind") == "manifest"
+        return pieces[0].manifest, [p.chunk for p in pieces[1:]]
+
+    def upload(self, messages: list[pb.UpdateChunk]) -> pb.UploadReceipt:
+        return self.stub.UploadUpdate(iter(messages), timeout=30)
+
+    def header(self, server_round: int, num_examples: int = 10, **kw: Any) -> pb.UpdateChunk:
+        return pb.UpdateChunk(
+            header=pb.UploadHeader(
+                round=server_round,
+                session_token=kw.pop("token", self.token),
+                num_examples=num_examples,
+                **kw,
+            )
+        )
+
+    def close(self) -> None:
+        self.outbox.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+def chunk_messages(chunks: Iterator[Any]) -> list[pb.UpdateChunk]:
+    return [pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks]
+
+
+# -- a deployment of real processes ------------------------------------------------------------
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Poll `predicate` (test-side only) until truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Deployment:
+    """A server and sites as real `fedtrain server` / `fedtrain client` processes.
+
+    TOML files, certificates and logs live under `root`. `close()` stops everything
+    and asserts that no process is left.
+    """
+
+    def __init__(self, root: Path, task: str, *, secure: bool = True, **server: Any) -> None:
+        self.root = root
+        self.task = task
+        self.secure = secure
+        self.port = free_port()
+        self.run_dir = root / "run"
+        self.logs = root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs = ProcessGroup(term_timeout_s=10.0)
+        self.pids: list[int] = []
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+        if secure:
+            self.ca_dir = root / "pki" / "ca"
+            tls.init_ca(self.ca_dir, days=2)
+            cert, key = tls.issue_server(
+                self.ca_dir, root / "pki" / "server", ["127.0.0.1"], days=1
+            )
+            server.setdefault("tls", {"ca": self.ca_dir / tls.CA_CERT, "cert": cert, "key": key})
+        self.server_config: dict[str, Any] = {
+            "task": task,
+            "address": f"127.0.0.1:{self.port}",
+            "run_dir": str(self.run_dir),
+            "round_timeout_s": 30.0,
+            "heartbeat": {"interval_s": 0.5, "timeout_s": 5.0},
+            **server,
+        }
+        self.server_toml = root / "server.toml"
+        self.server_toml.write_text(dump_toml(self.server_config))
+
+    # -- processes --------------------------------------------------------------------------
+    def _start(self, name: str, args: list[str]) -> None:
+        proc = self.procs.start(name, args, log_path=self.logs / f"{name}.log", env=self.env)
+        self.pids.append(proc.pid)
+
+    def start_server(self, *, resume: bool = False, name: str = "server") -> None:
+        args = ["server", "--config", str(self.server_toml)]
+        if resume:
+            args += ["--resume", str(self.run_dir)]
+        if not self.secure:
+            args.append("--insecure")
+        self._start(name, fedtrain_command(*args))
+
+    def site_toml(self, name: str, *, ca_dir: Path | None = None, **site: Any) -> Path:
+        config: dict[str, Any] = {
+            "task": self.task,
+            "server": f"127.0.0.1:{self.port}",
+            "reconnect": {"min_s": 0.1, "max_s": 0.5},
+            **site,
+        }
+        if self.secure:
+            ca_dir = ca_dir or self.ca_dir
+            cert, key = tls.issue_site(ca_dir, self.root / "pki" / name, name, days=1)
+            # The site trusts the federation CA (it must verify the real server).
+            config["tls"] = {"ca": self.ca_dir / tls.CA_CERT, "cert": cert, "key": key}
+        else:
+            config["name"] = name
+        path = self.root / f"{name}.toml"
+        path.write_text(dump_toml(config))
+        return path
+
+    def start_site(self, name: str, toml: Path | None = None, **site: Any) -> None:
+        toml = toml or self.site_toml(name, **site)
+        args = ["client", "--config", str(toml)]
+        if not self.secure:
+            args.append("--insecure")
+        self._start(name, fedtrain_command(*args))
+
+    def proc(self, name: str) -> Any:
+        return self.procs.procs[name]
+
+    def wait_server(self, timeout: float, name: str = "server") -> int:
+        proc = self.proc(name)
+        try:
+            return proc.wait(timeout)
+        except Exception:
+            raise AssertionError(
+                f"{name} did not finish within {timeout}s:\n{tail(self.logs / f'{name}.log', 40)}"
+            ) from None
+
+    # -- files --------------------------------------------------------------------------------
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def audit(self, event: str | None = None) -> list[dict[str, Any]]:
+        try:
+            records = read_audit(self.run_dir / "audit.jsonl")
+        except json.JSONDecodeError:  # a line being written right now
+            return []
+        return [r for r in records if event is None or r["event"] == event]
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def close(self) -> dict[str, int | None]:
+        """Stop every process (SIGTERM first); their exit codes; assert none is left."""
+        codes = {}
+        for name in list(self.procs.procs):
+            codes[name] = self.procs.stop(name)
+        self.procs.close()
+        assert_gone(self.pids)
+        return codes
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def assert_gone(pids: list[int]) -> None:
+    """No process we started is alive (zombies do not count), nor any child of ours."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"processes left behind: {alive}"
+    children = [
+        c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not children, f"child processes left behind: {children}"

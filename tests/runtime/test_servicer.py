@@ -1,0 +1,272 @@
+"""The server in-process, driven over a real gRPC channel with the generated stub.
+
+Malformed uploads are refused with the right status and never touch the global
+model; bfloat16/int64 models travel bit-exactly; a cached model is not downloaded
+twice; silent sites are disconnected.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from runtime_support import Bf16Task, FakeSite, TinyTask, chunk_messages, wait_for
+
+from fedtrain.config import from_dict
+from fedtrain.runtime import wire
+from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.config import ServerConfig, SiteConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server import AggregationServer
+from fedtrain.runtime.site import SiteDaemon
+from fedtrain.strategy import WeightedSum
+from fedtrain.strategy.aggregate import apply_mean_delta
+from fedtrain.task import Task, task_fingerprint
+from fedtrain.tensors import ModelState, StateAssembler
+
+CHUNK = 16  # small chunks: every tensor spans several messages
+
+
+def _server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> AggregationServer:
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 3,
+        "round_timeout_s": 30.0,
+        "chunk_bytes": CHUNK,
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        "strategy": {"min_fit_clients": sites, "min_available_clients": sites},
+        **extra,
+    }
+    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
+    server.start()
+    return server
+
+
+@pytest.fixture
+def stop_after() -> Iterator[list[Any]]:
+    owned: list[Any] = []
+    yield owned
+    for thing in reversed(owned):
+        thing.stop() if hasattr(thing, "stop") else thing.close()
+
+
+def _audit(server: AggregationServer) -> list[dict[str, Any]]:
+    return read_audit(server.run_dir.path / "audit.jsonl")
+
+
+def _download(site: FakeSite, version: str) -> ModelState:
+    manifest, chunks = site.download(version)
+    assembler = StateAssembler([wire.spec_from_proto(s) for s in manifest.specs])
+    for c in chunks:
+        assembler.add(wire.chunk_from_proto(c))
+    return assembler.finish()
+
+
+def _refused(site: FakeSite, messages: list[pb.UpdateChunk]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        site.upload(messages)
+    return info.value
+
+
+def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, sites=2)
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
+    stop_after += [a, b]
+    instruction = a.expect("instruction").instruction
+    b.expect("instruction")
+    assert instruction.round == 1
+    assert wire.config_from_proto(instruction.config)["round"] == 1
+    global_before = _download(a, instruction.model_version)
+    assert global_before.equal(server.coordinator.global_model.state)
+    with pytest.raises(grpc.RpcError) as info:
+        a.download("0" * 64)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as info:
+        list(a.stub.DownloadModel(pb.ModelRequest(version="", session_token="nope")))
+    assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+
+    delta = ModelState({k: torch.full_like(v, 0.25) for k, v in global_before.items()})
+    good = [
+        a.header(1, model_version=instruction.model_version),
+        *chunk_messages(delta.chunks(CHUNK)),
+    ]
+
+    err = _refused(a, [a.header(1, token="f" * 32), *good[1:]])
+    assert err.code() is grpc.StatusCode.PERMISSION_DENIED
+    assert "unknown session token" in err.details()
+
+    err = _refused(a, [a.header(2), *good[1:]])
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "stale round" in err.details() and "'alpha'" in err.details()
+
+    wrong = ModelState({**delta, "weight": torch.zeros(3, 8)})
+    err = _refused(a, [good[0], *chunk_messages(wrong.chunks(CHUNK))])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "'weight'" in err.details() and "round 1" in err.details()
+
+    nan = delta.clone()
+    nan["bias"][1] = float("nan")
+    err = _refused(a, [good[0], *chunk_messages(nan.chunks(CHUNK))])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "NaN/Inf" in err.details()
+
+    err = _refused(a, good[:-1])  # the last chunk never comes
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream ended early" in err.details()
+
+    err = _refused(a, good[1:])  # no header
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    err = _refused(a, [good[0], *chunk_messages(delta.chunks(4 * CHUNK))])  # oversized chunks
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    err = _refused(a, [a.header(1, num_examples=0), *good[1:]])
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    # A stream cancelled halfway is discarded too.
+    gate = threading.Event()
+
+    def stalled() -> Iterator[pb.UpdateChunk]:
+        yield from good[:3]
+        gate.wait(10)
+
+    future = a.stub.UploadUpdate.future(stalled())
+    wait_for(lambda: any(server.spool_dir.iterdir()), 10, "the upload to be spooled")
+    future.cancel()
+    gate.set()
+    wait_for(lambda: not any(server.spool_dir.iterdir()), 10, "the partial spool to be deleted")
+
+    # Nothing of the above reached the global model; the round is still open.
+    assert server.coordinator.global_model.round == 0
+    assert server.coordinator.global_model.state.equal(global_before)
+
+    receipt = a.upload(good)
+    assert receipt.round == 1 and receipt.bytes_received == delta.nbytes
+    err = _refused(a, good)
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "duplicate upload" in err.details()
+
+    b.upload([b.header(1, num_examples=30), *chunk_messages(delta.chunks(CHUNK))])
+    next_instruction = a.expect("instruction").instruction
+    assert next_instruction.round == 2
+    expected = apply_mean_delta(global_before, {k: v.float() for k, v in delta.items()})
+    assert server.coordinator.global_model.state.equal(expected)
+    assert next_instruction.model_version == expected.digest()
+
+    refused = [r for r in _audit(server) if r["event"] in ("upload_rejected", "request_refused")]
+    assert {r["code"] for r in refused} == {
+        "PERMISSION_DENIED",
+        "FAILED_PRECONDITION",
+        "INVALID_ARGUMENT",
+    }
+    err = _refused(a, good)  # round 1 is over now
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert not any(server.spool_dir.iterdir())
+
+
+def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
+    task = Bf16Task()
+    server = _server(tmp_path, task, rounds=1)
+    stop_after.append(server)
+    # Values a lossy path would change: -0.0, subnormal, extremes of bf16.
+    with torch.no_grad():
+        weight = server.coordinator.global_model.state["linear.weight"]
+        weight.view(-1)[:4] = torch.tensor([-0.0, 1e-39, 3.3e38, -1.17e-38], dtype=torch.bfloat16)
+    initial = server.coordinator.global_model.state.clone()
+    site = FakeSite(server.port, "alpha", task_fingerprint(task))
+    stop_after.append(site)
+    instruction = site.expect("instruction").instruction
+    downloaded = _download(site, instruction.model_version)
+    assert downloaded.equal(initial)
+    assert downloaded["linear.weight"].dtype == torch.bfloat16
+    assert downloaded["steps"].dtype == torch.int64
+
+    gen = torch.Generator().manual_seed(3)
+    delta = ModelState(
+        {
+            "linear.weight": (torch.randn(3, 6, generator=gen) / 8).to(torch.bfloat16),
+            "linear.bias": (torch.randn(3, generator=gen) / 8).to(torch.bfloat16),
+            "steps": torch.tensor([1, 0, -2, 5, 7], dtype=torch.int64),
+        }
+    )
+    site.upload([site.header(1, num_examples=13), *chunk_messages(delta.chunks(CHUNK))])
+    assert server.wait(20)
+    reference = WeightedSum(initial.specs)
+    reference.add(delta, 13.0)
+    expected = apply_mean_delta(initial, reference.mean())
+    assert server.coordinator.global_model.state.equal(expected)
+    assert expected["steps"].tolist() == [1, 1, 0, 8, 11]
+
+
+def test_cached_model_is_not_downloaded_again(tmp_path, stop_after) -> None:
+    """A failed round is retried with the same model: the site trains it from its cache."""
+    task = TinyTask()
+    server = _server(tmp_path, task, sites=2, rounds=2)
+    stop_after.append(server)
+    config = from_dict(SiteConfig, {"task": "runtime_support:TinyTask", "name": "real"})
+    config.server = f"127.0.0.1:{server.port}"
+    daemon = SiteDaemon(config, insecure=True, task=task, data=task.datasets()[0])
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    stop_after.append(daemon)
+    fake = FakeSite(server.port, "fake", task_fingerprint(task))
+    stop_after.append(fake)
+
+    first = fake.expect("instruction").instruction
+    fake.report_error(1, "out of memory")  # attempt 1 fails: 1 of 2 updates
+    retry = fake.expect("instruction").instruction
+    assert (retry.round, retry.model_version) == (1, first.model_version)
+    delta = ModelState(
+        {k: torch.zeros_like(v) for k, v in _download(fake, first.model_version).items()}
+    )
+    fake.upload([fake.header(1), *chunk_messages(delta.chunks(CHUNK))])
+    second = fake.expect("instruction").instruction
+    assert second.round == 2
+    fake.upload(
+        [
+            fake.header(2, model_version=second.model_version),
+            *chunk_messages(delta.chunks(CHUNK)),
+        ]
+    )
+    assert server.wait(30)
+    assert server.coordinator.error is None
+    assert server.coordinator.global_model.round == 2
+    assert daemon.rounds_trained == 3  # round 1 twice, round 2 once
+    assert daemon.downloads == 2  # the retry of round 1 used the cached model
+    events = [r["event"] for r in _audit(server)]
+    assert "round_failed" in events and "site_error" in events
+    daemon.stop()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, sites=2, heartbeat={"interval_s": 0.2, "timeout_s": 1.0})
+    stop_after.append(server)
+    quiet = FakeSite(server.port, "quiet", task_fingerprint(task))
+    stop_after.append(quiet)
+    assert len(server.registry) == 1
+    wait_for(lambda: len(server.registry) == 0, 10, "the silent site to be disconnected")
+    assert quiet.inbox.get(timeout=5) is None  # its control stream was ended
+    leaves = [r for r in _audit(server) if r["event"] == "leave"]
+    assert leaves[-1]["reason"] == "heartbeat timeout"
+
+    with pytest.raises(AssertionError, match="reject") as info:
+        FakeSite(server.port, "other", "0123456789abcdef")
+    assert "task fingerprint mismatch" in str(info.value)
+    assert task_fingerprint(task) in str(info.value)
+
+    status = quiet.stub.Status(pb.Empty(), timeout=5)
+    assert status.run_id == server.coordinator.run_id
+    assert status.total_rounds == 3 and not status.finished

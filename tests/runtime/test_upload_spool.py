@@ -1,0 +1,119 @@
+"""The upload spool: only complete, valid updates reach the aggregate, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedtrain.errors import TensorStreamError, UpdateRejected
+from fedtrain.runtime.upload import UpdateSpool, ensure_finite, remove_stale_spools
+from fedtrain.strategy import WeightedSum
+from fedtrain.tensors import Chunk, ModelState
+
+
+def _update() -> ModelState:
+    gen = torch.Generator().manual_seed(1)
+    return ModelState(
+        {
+            "w": torch.randn(40, 3, generator=gen).to(torch.bfloat16),
+            "b": torch.randn(7, generator=gen),
+            "steps": torch.arange(9, dtype=torch.int64),
+            "none": torch.zeros(0),
+        }
+    )
+
+
+def test_fold_equals_adding_the_whole_update(tmp_path: Path) -> None:
+    update = _update()
+    via_spool = WeightedSum(update.specs)
+    with UpdateSpool(update.specs, tmp_path, max_chunk_bytes=64) as spool:
+        for chunk in update.chunks(64):
+            spool.add(chunk)
+        spool.finish()
+        spool.fold_into(via_spool, 3.0)
+        assert spool.path.exists()
+    assert not list(tmp_path.iterdir()), "the spool file is deleted on exit"
+    direct = WeightedSum(update.specs)
+    direct.add(update, 3.0)
+    for name in update:
+        assert torch.equal(via_spool.mean()[name], direct.mean()[name])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda c: Chunk(c.name, c.dtype, (41, 3), c.offset, c.data), TensorStreamError, "'w'"),
+        (
+            lambda c: Chunk(c.name, "float32", c.shape, c.offset, c.data),
+            TensorStreamError,
+            "float32",
+        ),
+        (lambda c: Chunk("nope", c.dtype, c.shape, c.offset, c.data), TensorStreamError, "nope"),
+        (
+            lambda c: Chunk(c.name, c.dtype, c.shape, c.offset + 1, c.data),
+            TensorStreamError,
+            "aligned",
+        ),
+        (
+            lambda c: Chunk(c.name, c.dtype, c.shape, c.offset, bytes(c.data) + bytes(64)),
+            TensorStreamError,
+            "exceeds the server's chunk_bytes",
+        ),
+    ],
+)
+def test_malformed_chunks_are_refused(tmp_path, mutate, error, match) -> None:
+    update = _update()
+    with UpdateSpool(update.specs, tmp_path, max_chunk_bytes=64) as spool:
+        first = next(update.chunks(64))
+        with pytest.raises(error, match=match):
+            spool.add(mutate(first))
+
+
+def test_nan_is_refused_before_it_is_written(tmp_path: Path) -> None:
+    update = _update()
+    bad = update.clone()
+    bad["b"][3] = float("nan")
+    with UpdateSpool(bad.specs, tmp_path, max_chunk_bytes=1 << 20) as spool:
+        with pytest.raises(UpdateRejected, match="NaN/Inf"):
+            for chunk in bad.chunks():
+                spool.add(chunk)
+        assert spool.path.stat().st_size < bad.nbytes
+
+
+def test_truncated_and_duplicated_streams_are_refused(tmp_path: Path) -> None:
+    update = _update()
+    chunks = list(update.chunks(64))
+    aggregate = WeightedSum(update.specs)
+    with UpdateSpool(update.specs, tmp_path, max_chunk_bytes=64) as spool:
+        for chunk in chunks[:-1]:
+            spool.add(chunk)
+        with pytest.raises(TensorStreamError, match="stream ended early"):
+            spool.finish()
+        with pytest.raises(TensorStreamError, match="incomplete"):
+            spool.fold_into(aggregate, 1.0)
+        with pytest.raises(TensorStreamError, match="duplicate"):
+            spool.add(chunks[0])
+    assert aggregate.count == 0
+
+
+def test_stale_spools_are_removed(tmp_path: Path) -> None:
+    spool = UpdateSpool(_update().specs, tmp_path, 64)
+    spool._file.close()  # a crash leaves the file behind
+    (tmp_path / "keep.txt").write_text("x")
+    assert remove_stale_spools(tmp_path) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_fast_finite_check_agrees_with_the_exact_one(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    ok = torch.tensor([big, big, -1.0, 0.0], dtype=dtype)  # the sum overflows; values are finite
+    ensure_finite("w", ok)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.tensor([1.0, bad, 2.0], dtype=dtype)
+        with pytest.raises(UpdateRejected, match="'w' holds 1 NaN/Inf"):
+            ensure_finite("w", values)
+    ensure_finite("i", torch.tensor([1, 2], dtype=torch.int64))
+    ensure_finite("e", torch.zeros(0, dtype=dtype))
