@@ -42,3 +42,24 @@ class TaskError(FedtrainError):
 class CertificateError(FedtrainError):
     """A TLS certificate or key is missing, unreadable, expired, not signed by the
     federation CA, issued for another purpose, or does not match its key."""
+
+
+class WorkerGroupError(FedtrainError):
+    """A site's DDP worker group failed a round or could not start: a rank crashed,
+    raised, or hung past the round's timeout.
+
+    `failures` maps each rank to what happened. A local group tears itself down and
+    restarts (`restarting` is True), so the site reports the round as failed and the
+    next round runs on fresh workers.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str], *, restarting: bool) -> None:
+        super().__init__(message)
+        self.failures = failures
+        self.restarting = restarting
+
+
+class SimulationError(FedtrainError):
+    """A simulation worker failed: a client's training raised in a worker process or
+    Ray actor (the message carries its traceback), or the worker died (killed, out of
+    memory). The pool has been shut down by the time this is raised."""

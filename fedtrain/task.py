@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
@@ -44,13 +45,28 @@ class EvalResult:
 
 @dataclass(frozen=True)
 class TaskContext:
-    """Where and as whom a task runs. Under DDP, rank/world_size describe the group."""
+    """Where and as whom a task runs. Under DDP, rank/world_size describe the group.
+
+    Every rank of a group gets the site's whole dataset and the same `client_id` and
+    `seed`, so all ranks draw the same shuffle; each trains on its shard of it
+    (`iterate_batches(..., rank=, world_size=)`) and reports the site's total count.
+    """
 
     device: torch.device = torch.device("cpu")
     client_id: str = "local"
     seed: int = 0
     rank: int = 0
     world_size: int = 1
+    #: This client's own state from its previous rounds, for algorithms that keep some
+    #: at the site (control variates, error-feedback residuals, personal layers). Train
+    #: may read and replace its entries (CPU tensors); the driver keeps what is left for
+    #: the client's next round and stores nothing for clients that leave it empty.
+    #: None where the driver keeps no client state.
+    client_state: dict[str, torch.Tensor] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a group of {self.world_size}")
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,10 @@ class TorchTask(Task):
     `lr` (0.01), `momentum` (0.0), `weight_decay` (0.0), `proximal_mu` (0.0: FedProx's
     mu/2 * ||w - w_global||^2 term when > 0), `round` (for seeding the shuffle).
     Override `loss` or `optimizer` for other objectives.
+
+    Under DDP (`context.world_size > 1`, `model` is the DDP-wrapped module) the same
+    loop trains on this rank's shard of every epoch's shuffle, `batch_size` per rank,
+    and `train_loss` is averaged over all ranks' examples.
     """
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -155,7 +175,15 @@ class TorchTask(Task):
         anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
         total_loss, seen = 0.0, 0
         for _ in range(epochs):
-            for x, y in iterate_batches(data, batch_size, shuffle=True, generator=gen):
+            batches = iterate_batches(
+                data,
+                batch_size,
+                shuffle=True,
+                generator=gen,
+                rank=context.rank,
+                world_size=context.world_size,
+            )
+            for x, y in batches:
                 x, y = x.to(context.device), y.to(context.device)
                 opt.zero_grad(set_to_none=True)
                 loss = self.loss(model(x), y)
@@ -165,6 +193,8 @@ class TorchTask(Task):
                 opt.step()
                 total_loss += float(loss.detach()) * len(y)
                 seen += len(y)
+        if context.world_size > 1:
+            total_loss, seen = _sum_over_ranks((total_loss, seen), context.device)
         return TrainResult(len(data), {"train_loss": total_loss / max(seen, 1)})
 
     @torch.no_grad()
@@ -196,16 +226,29 @@ def iterate_batches(
     *,
     shuffle: bool = False,
     generator: torch.Generator | None = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Mini-batches of a dataset.
+    """Mini-batches of a dataset, or of rank `rank`'s shard of it.
 
     In-memory tensor datasets (and subsets of them) are sliced directly, which is
     an order of magnitude faster than DataLoader's per-item collation and matters
     when one process simulates thousands of clients. Anything else goes through a
     DataLoader with the same seeded order.
+
+    Sharding follows `DistributedSampler(drop_last=False)`: every rank draws the same
+    order (same generator state), it is padded by repeating its first examples up
+    to a multiple of `world_size`, and rank r takes positions r, r + world_size, ...
+    So all ranks get the same number of batches (DDP needs that), a few examples
+    may be seen twice per epoch, and batch k of all ranks together is block k of
+    `world_size * batch_size` examples of the padded order: exactly what one process
+    with the larger batch would see.
     """
     n = len(data)  # type: ignore[arg-type]
     order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+    if world_size > 1:
+        order = _shard(order, rank, world_size)
+        n = len(order)
     base, index = _unwrap(data)
     if isinstance(base, TensorDataset):
         if index is not None:
@@ -216,6 +259,26 @@ def iterate_batches(
         return
     loader = DataLoader(Subset(data, order.tolist()), batch_size=batch_size, shuffle=False)
     yield from loader
+
+
+def _shard(order: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s positions of `order`, padded as DistributedSampler does."""
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is outside a group of {world_size}")
+    pad = -len(order) % world_size
+    if pad and len(order):
+        repeats = -(-pad // len(order))
+        order = torch.cat([order, order.repeat(repeats)[:pad]])
+    return order[rank::world_size]
+
+
+def _sum_over_ranks(values: tuple[float, ...], device: torch.device) -> tuple[float, ...]:
+    """Element-wise sum over the DDP group (as-is when no process group is running)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return tuple(t.tolist())
 
 
 def _unwrap(data: Dataset) -> tuple[Dataset, torch.Tensor | None]:
