@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
@@ -77,9 +78,15 @@ def run_sim(config, title: str) -> float | None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     raw = load_toml(args.config) if args.config else {}
     config = _sim_config(raw, args)
+    # `kill` (SIGTERM) unwinds like Ctrl-C, so worker pools are stopped on the way out.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     acc = run_sim(config, "simulate")
     print(f"final accuracy: {acc:.4f}" if acc is not None else "finished (no test set)")
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -89,9 +96,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     directory = Path(args.run_dir or tempfile.mkdtemp(prefix="fedtrain-demo-"))
     rounds = args.rounds if args.rounds is not None else DIGITS_DEMO["rounds"]
-    with RoundProgress(rounds, "demo") as progress:
-        result = run_demo(directory, rounds=rounds, on_round=progress.update)
-    log.info("demo finished in %.1fs; everything is in %s", result.seconds, directory.resolve())
+    title = "demo (secure aggregation)" if args.secagg else "demo"
+    with RoundProgress(rounds, title) as progress:
+        result = run_demo(directory, rounds=rounds, on_round=progress.update, secagg=args.secagg)
+    log.info(
+        "demo finished in %.1fs (secure aggregation %s); everything is in %s",
+        result.seconds,
+        "on" if result.secagg else "off",
+        directory.resolve(),
+    )
     acc = result.final_accuracy
     print(f"final accuracy: {acc:.4f}" if acc is not None else "finished (no test set)")
     return 0
@@ -142,11 +155,35 @@ def cmd_server(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     from fedtrain.runtime.config import load_site_config
     from fedtrain.runtime.lifecycle import stop_on_signals
-    from fedtrain.runtime.site import SiteDaemon
+    from fedtrain.runtime.site import SiteDaemon, site_name
+    from fedtrain.runtime.site_parallel import run_follower, torchrun_follower, with_workers
 
-    daemon = SiteDaemon(load_site_config(args.config), insecure=args.insecure)
+    config = with_workers(load_site_config(args.config), devices=args.devices, nproc=args.nproc)
+    if torchrun_follower():  # a rank > 0 of a multi-machine site: rank 0 is the daemon
+        return run_follower(config, site_name(config, insecure=args.insecure))
+    daemon = SiteDaemon(config, insecure=args.insecure)
     with stop_on_signals(daemon.stop):
         daemon.run()
+    if daemon.fatal is not None:
+        print(f"error: {daemon.fatal}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _device_list(text: str) -> list[str]:
+    """`--devices cuda:0,cuda:1` as a list of device names."""
+    devices = [d.strip() for d in text.split(",") if d.strip()]
+    if not devices:
+        raise argparse.ArgumentTypeError("list GPUs separated by commas, e.g. cuda:0,cuda:1")
+    return devices
+
+
+# -- report ------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedtrain.observability.report import write_report
+
+    page = write_report(args.run_dir)
+    print(f"report: {page} (plots beside it)")
     return 0
 
 
@@ -192,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="federate the digits CNN across 4 sites")
     demo.add_argument("--rounds", type=int, help="number of rounds (default 10)")
     demo.add_argument("--run-dir", dest="run_dir", help="keep the run here (default: a temp dir)")
+    demo.add_argument(
+        "--no-secagg",
+        dest="secagg",
+        action="store_false",
+        help="plain FedAvg: the server sees each site's update (secure aggregation is the default)",
+    )
     demo.set_defaults(func=cmd_demo)
 
     server = sub.add_parser("server", help="run the aggregation server")
@@ -222,7 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no TLS (local tests only; the server must run --insecure too)",
     )
+    workers = client.add_mutually_exclusive_group()
+    workers.add_argument(
+        "--devices",
+        type=_device_list,
+        metavar="cuda:0,cuda:1",
+        help="override `devices` (and `nproc`, `device`): DDP with one worker per GPU (NCCL)",
+    )
+    workers.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="override `nproc` (and `devices`): DDP on N CPU worker processes (gloo)",
+    )
     client.set_defaults(func=cmd_client)
+
+    report = sub.add_parser("report", help="plots and an HTML summary of a run directory")
+    report.add_argument("run_dir", type=Path, help="a run directory (simulation or server)")
+    report.set_defaults(func=cmd_report)
 
     ca = sub.add_parser("ca", help="federation certificate authority")
     ca_sub = ca.add_subparsers(dest="ca_command", required=True)

@@ -83,6 +83,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 continue
         raise ConfigError(f"{key} = {value!r} should be {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
+        # A table may accept a scalar shorthand (e.g. `secagg = true`) via `from_scalar`.
+        shorthand = getattr(tp, "from_scalar", None)
+        if shorthand is not None and not isinstance(value, dict):
+            value = shorthand(value, key)
         return from_dict(tp, value, key)
     if origin is dict:
         if not isinstance(value, dict):

@@ -54,3 +54,24 @@ def test_bad_config_fails_with_the_key_named(tmp_path):
         assert out.returncode == 2, (text, out.stderr)
         assert message in out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_report_from_the_cli(tmp_path):
+    run = tmp_path / "bc"
+    out = fedtrain(
+        "simulate",
+        "--config",
+        str(ROOT / "simulations/breast_cancer.toml"),
+        "--rounds",
+        "2",
+        "--run-dir",
+        str(run),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    out = fedtrain("report", str(run), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (run / "report" / "index.html").exists()
+    assert (run / "report" / "accuracy.png").stat().st_size > 5_000
+    missing = fedtrain("report", str(tmp_path / "nope"), cwd=tmp_path)
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr

@@ -135,7 +135,7 @@ class WorkerGroup:
             self._closed = False
             while self._wake_r.poll():
                 self._wake_r.recv()
-            self._ensure_started()
+            self._ensure_started(retry="fix the cause and start the group again")
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every worker: ask nicely, then kill what is left; idempotent.
@@ -165,7 +165,7 @@ class WorkerGroup:
         `start_timeout_s` bounds). Raises `WorkerGroupError` if any rank fails.
         """
         with self._lock:
-            shared = self._ensure_started()
+            shared = self._ensure_started(retry="the next round tries to start it again")
             shared.write(global_state)
             failures: dict[int, str] = {}
             for w in self._workers:
@@ -182,8 +182,11 @@ class WorkerGroup:
             return shared.read(), result
 
     # -- internals -------------------------------------------------------------------------
-    def _ensure_started(self) -> SharedState:
-        """The ready group's shared block, (re)starting the group if needed; under the lock."""
+    def _ensure_started(self, retry: str) -> SharedState:
+        """The ready group's shared block, (re)starting the group if needed; under the lock.
+
+        `retry` ends the error when the group cannot start: what the caller does next.
+        """
         if self._closed:
             raise WorkerGroupError(
                 "the worker group is closed; start() it again to train", {}, restarting=False
@@ -191,7 +194,7 @@ class WorkerGroup:
         if not self._workers:
             self._spawn()
         if self._shared is None:
-            self._await_ready()
+            self._await_ready(retry)
         assert self._shared is not None
         return self._shared
 
@@ -222,14 +225,13 @@ class WorkerGroup:
             child_end.close()
             self._workers.append(_Worker(rank, process, parent_end))
 
-    def _await_ready(self) -> None:
+    def _await_ready(self, retry: str) -> None:
         try:
             replies = self._collect(self.start_timeout_s, {}, "did not start")
         except _RanksFailed as failed:
             self._kill()
             raise WorkerGroupError(
-                f"the DDP worker group could not start: {failed}; the next round tries "
-                "to start it again",
+                f"the DDP worker group could not start: {failed}; {retry}",
                 failed.failures,
                 restarting=False,
             ) from None

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
+from fedtrain.secagg.settings import SecAggSettings, require_sum_only
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
-from fedtrain.strategy import Strategy, build_strategy
+from fedtrain.strategy import STRATEGIES, Strategy, build_strategy
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -59,6 +60,37 @@ class HeartbeatConfig:
 
 
 @dataclass
+class SecAggServerSettings(SecAggSettings):
+    """The protocol's settings plus the server's deadline for each of its stages."""
+
+    setup_timeout_s: float = option(
+        30.0, "Stage 0: sites that have not advertised their keys by then are dropped."
+    )
+    share_keys_timeout_s: float = option(
+        30.0, "Stage 1: sites that have not sent their encrypted shares by then are dropped."
+    )
+    masked_input_timeout_s: float = option(
+        0.0,
+        "Stage 2 (local training + the masked upload); 0: until the round's deadline "
+        "(round_timeout_s).",
+    )
+    unmask_timeout_s: float = option(
+        30.0, "Stage 3: how long to wait for the survivors' unmasking shares."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("setup_timeout_s", "share_keys_timeout_s", "unmask_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"secagg.{key} must be > 0, got {getattr(self, key)!r}")
+        if not self.masked_input_timeout_s >= 0:
+            raise ConfigError(
+                f"secagg.masked_input_timeout_s must be >= 0 (0: the round's deadline), "
+                f"got {self.masked_input_timeout_s!r}"
+            )
+
+
+@dataclass
 class ServerConfig:
     task: str = option(doc="Task installed at the server and the sites, 'package.module:Class'.")
     task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
@@ -93,6 +125,9 @@ class ServerConfig:
     )
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
     tls: TlsConfig = section(TlsConfig, "Mutual TLS (ca, cert, key).")
+    secagg: SecAggServerSettings = section(
+        SecAggServerSettings, "Secure aggregation (`secagg = true` or a [secagg] table)."
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
@@ -111,6 +146,26 @@ class ServerConfig:
                     f"client.{key} = {value!r}: round config values must be booleans, "
                     "numbers or strings"
                 )
+        if self.secagg.enabled:
+            self._check_secagg()
+
+    def _check_secagg(self) -> None:
+        """What secure aggregation needs from the rest of the config, refused up front."""
+        strategy = STRATEGIES.get(self.strategy.name)
+        if strategy is not None:
+            require_sum_only(strategy)
+        if self.strategy.min_fit_clients < 2:
+            raise ConfigError(
+                f"strategy.min_fit_clients = {self.strategy.min_fit_clients}: secure "
+                "aggregation needs at least 2 sites per round (the sum of one site is its "
+                "update); raise it to 2 or more"
+            )
+        if self.strategy.min_fit_clients > self.secagg.max_clients:
+            raise ConfigError(
+                f"strategy.min_fit_clients = {self.strategy.min_fit_clients} exceeds "
+                f"secagg.max_clients = {self.secagg.max_clients}: their sum could wrap; raise "
+                "secagg.max_clients"
+            )
 
     def build_strategy(self) -> Strategy:
         """The strategy the `[strategy]` table names, with `[client]` as its round config."""
@@ -164,13 +219,47 @@ class SiteConfig:
         "the certificate).",
     )
     device: str = option("cpu", "Device to train on ('cpu', 'cuda', 'cuda:1').")
+    devices: list[str] = option(
+        [],
+        "Train each round with DDP on these GPUs, one worker process per GPU (NCCL), e.g. "
+        "['cuda:0', 'cuda:1']; replaces `device`. Workers live across rounds.",
+    )
+    nproc: int = option(
+        1,
+        "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
+        "the daemon's own process. Set `devices` or `nproc`, not both.",
+    )
     seed: int = option(0, "Seed of local shuffling.")
+    require_secagg: bool = option(
+        False,
+        "Train only for a server that runs secure aggregation: this site's update then "
+        "never leaves it unmasked, and it refuses any other server or instruction.",
+    )
     max_message_bytes: int = option(
         64 * 1024 * 1024, "gRPC message size limit; must exceed the server's chunk_bytes."
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
     tls: SiteTlsConfig = section(SiteTlsConfig, "Mutual TLS (ca, cert, key, server_name).")
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
+        if self.devices and self.nproc > 1:
+            raise ConfigError(
+                f"devices = {self.devices} and nproc = {self.nproc}: set devices (one worker "
+                "per GPU) or nproc (CPU workers), not both"
+            )
+        if self.devices and self.device != "cpu":
+            raise ConfigError(
+                f"device = {self.device!r} and devices = {self.devices}: set device (train in "
+                "the daemon's process) or devices (a DDP worker per GPU), not both"
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes that train each round: one per GPU of `devices`, else `nproc`."""
+        return len(self.devices) or self.nproc
 
 
 def _positive(cfg: object, *keys: str) -> None:

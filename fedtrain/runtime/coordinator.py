@@ -28,7 +28,10 @@ from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.secagg.settings import require_sum_only
+from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.task import Task, TaskContext, model_for, resolve_device, task_fingerprint
 from fedtrain.tensors import ModelState
@@ -115,6 +118,23 @@ class Coordinator:
             self.global_model = GlobalModel(0, state.digest(), state)
             self.run_id = uuid.uuid4().hex[:12]  # an identifier, not a secret
         self._bind_eval_model(self.global_model.state)
+        self.secagg = config.secagg if config.secagg.enabled else None
+        self.layout: UpdateLayout | None = None
+        if self.secagg is not None:
+            require_sum_only(strategy)
+            self.layout = UpdateLayout.of(self.global_model.state.specs)
+            q = self.secagg.protocol().quantizer()
+            log.info(
+                "secure aggregation on: clip %g, %d bits per value, step %.3g, %d values per "
+                "site%s",
+                q.clip,
+                q.bits,
+                q.step,
+                self.layout.length,
+                f"; the server keeps its own {', '.join(self.layout.excluded)}"
+                if self.layout.excluded
+                else "",
+            )
         registry.on_leave(self._on_leave)
 
     # -- resume ---------------------------------------------------------------------------
@@ -216,15 +236,26 @@ class Coordinator:
     ) -> RoundState:
         model = self.global_model
         sessions = {site: self.registry.get(site) for site in plan}
-        state = RoundState(
-            round=server_round,
-            attempt=attempt,
-            model_version=model.version,
-            plan=plan,
-            tokens={site: s.token for site, s in sessions.items() if s is not None},
-            aggregate=self.strategy.begin_round(server_round, model.state),
-            deadline=time.monotonic() + self.config.round_timeout_s,
-        )
+        common: dict[str, Any] = {
+            "round": server_round,
+            "attempt": attempt,
+            "model_version": model.version,
+            "plan": plan,
+            "tokens": {site: s.token for site, s in sessions.items() if s is not None},
+            "aggregate": self.strategy.begin_round(server_round, model.state),
+            "deadline": time.monotonic() + self.config.round_timeout_s,
+        }
+        state: RoundState
+        if self.secagg is None or self.layout is None:
+            state = RoundState(**common)
+        else:
+            state = SecureRoundState(
+                **common,
+                settings=self.secagg,
+                layout=self.layout,
+                sessions=sessions,
+                audit=self.audit,
+            )
         for site, session in sessions.items():
             if session is None:
                 state.outcomes[site] = Outcome.DROPPED
@@ -257,9 +288,12 @@ class Coordinator:
                 kind=pb.TRAIN,
                 model_version=model.version,
                 deadline_unix=deadline_unix,
+                secagg=isinstance(state, SecureRoundState),
             )
             wire.config_to_proto(plan[session.site], instruction.config)
             session.send(pb.ServerMessage(instruction=instruction))
+        if isinstance(state, SecureRoundState):
+            state.start()  # key agreement runs while the sites download and train
         return state
 
     def _finish(self, state: RoundState, summary: RoundSummary, started: float) -> bool:

@@ -29,21 +29,27 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     """Call `stop()` on SIGTERM/SIGINT while inside the block (main thread only).
 
-    The handler only sets an event; a helper thread makes the call. `stop` takes locks,
-    and a handler that took one the interrupted main thread already held would deadlock.
-    Outside the main thread (e.g. in tests) handlers cannot be installed: a no-op.
+    The handler only writes a byte to a pipe; a helper thread blocked on the pipe makes
+    the call. `stop` takes locks, and a handler that took one the interrupted main thread
+    already held would deadlock. Even an `Event.set` in the handler can: a second signal
+    (process supervisors often send SIGTERM twice) interrupts the first handler inside
+    the event's lock, and the second `set` waits for that lock forever. A pipe write
+    takes no lock. Outside the main thread (e.g. in tests) handlers cannot be installed:
+    a no-op.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    requested = threading.Event()
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)  # a burst of signals must never block the handler
     leaving = False
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        requested.set()
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending
+            os.write(wake_write, b"\0")
 
     def relay() -> None:
-        requested.wait()
+        os.read(wake_read, 1)
         if not leaving:
             log.info("received a stop signal; stopping")
             stop()
@@ -57,8 +63,10 @@ def stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
         for sig, old in previous.items():
             signal.signal(sig, old)
         leaving = True
-        requested.set()
+        handler(0, None)
         helper.join()
+        os.close(wake_read)
+        os.close(wake_write)
 
 
 class ProcessGroup:

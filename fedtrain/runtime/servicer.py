@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import grpc
 
-from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
@@ -27,8 +27,10 @@ from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
+from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.upload import MaskedUpload, UpdateSpool
+from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 site_name=site,
                 heartbeat_interval_s=self.config.heartbeat.interval_s,
                 chunk_bytes=self.config.chunk_bytes,
+                secagg=self.config.secagg.enabled,
             )
         )
         threading.Thread(
@@ -140,6 +143,11 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
                 "same task code and version at the site"
             )
+        if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
+            return site, (
+                f"site {site!r} does not support secure aggregation, which this server runs "
+                "(secagg.enabled in server.toml); install the same fedtrain version at the site"
+            )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
             return site, (
                 f"the server is at capacity ({self.max_sites} sites); the operator must "
@@ -166,11 +174,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     )
                     self.coordinator.site_failed(session, err.round, err.message)
                 elif kind == "secagg":
-                    log.warning(
-                        "site %r sent a secure-aggregation message, but this server does not "
-                        "run secure aggregation; ignored",
-                        session.site,
-                    )
+                    self._secagg(session, message.secagg)
                 else:
                     reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
                     log.warning("site %r: %s", session.site, reason)
@@ -179,6 +183,22 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             reason = "control stream broke"
         finally:
             self._end(session, reason)
+
+    def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
+        """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
+        state = self.coordinator.current
+        try:
+            if not isinstance(state, SecureRoundState):
+                raise ProtocolError(
+                    f"site {session.site!r} sent a secure-aggregation message for round "
+                    f"{message.round}, but no secure-aggregation round is in progress; ignored"
+                )
+            state.receive(session, message)
+        except FedtrainError as exc:
+            log.warning("%s", exc)
+            self.audit.record(
+                "secagg_refused", site=session.site, round=message.round, reason=str(exc)
+            )
 
     def _end(self, session: Session, reason: str) -> None:
         self.registry.remove(session, reason)  # idempotent; the server audits every leave
@@ -250,7 +270,18 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{where}: no round is in progress; update dropped",
                 )
-            if header.num_examples < 1:
+            secure = isinstance(state, SecureRoundState)
+            if header.masked != secure:
+                raise UploadRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where}: "
+                    + (
+                        "this round runs secure aggregation; a plain (unmasked) update is refused"
+                        if secure
+                        else "a masked update, but this round does not run secure aggregation"
+                    ),
+                )
+            if not header.masked and header.num_examples < 1:
                 raise UploadRefused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{where}: num_examples must be >= 1 (it weights the update), got "
@@ -260,7 +291,10 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         except UploadRefused as exc:
             self._refuse(context, session, header.round, exc.code, str(exc))
         try:
-            received = self._receive(state, session, header, request_iterator)
+            if isinstance(state, SecureRoundState):
+                received = self._receive_masked(state, session, header, request_iterator)
+            else:
+                received = self._receive(state, session, header, request_iterator)
         except grpc.RpcError:
             state.abandon(session.site)
             log.warning("%s: the upload stream broke off; partial update discarded", where)
@@ -288,13 +322,19 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 grpc.StatusCode.INTERNAL,
                 f"{where}: the server failed to store the update ({exc}); it may be retried",
             )
-        log.info("%s: update of %d bytes aggregated", where, received)
+        log.info(
+            "%s: %s update of %d bytes aggregated",
+            where,
+            "masked" if header.masked else "plain",
+            received,
+        )
         self.audit.record(
             "upload",
             site=session.site,
             round=header.round,
             bytes=received,
             num_examples=header.num_examples,
+            masked=header.masked,
         )
         return pb.UploadReceipt(round=header.round, bytes_received=received)
 
@@ -308,19 +348,47 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         """Spool, validate and fold one upload; returns the bytes received."""
         model = self.coordinator.global_model
         with UpdateSpool(model.state.specs, self.spool_dir, self.config.chunk_bytes) as spool:
-            for message in request_iterator:
-                if message.WhichOneof("kind") != "chunk":
-                    raise UploadRefused(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"site {session.site!r}, round {header.round}: a second header "
-                        "in one upload",
-                    )
-                chunk = wire.chunk_from_proto(message.chunk)
-                self.coordinator.transfers.add(received=len(chunk.data))
+            for chunk in self._chunks(session, header, request_iterator):
                 spool.add(chunk)
             spool.finish()
             state.commit(session, spool, header.num_examples, dict(header.metrics))
             return spool.bytes_received
+
+    def _receive_masked(
+        self,
+        state: SecureRoundState,
+        session: Session,
+        header: pb.UploadHeader,
+        request_iterator: Iterator[pb.UpdateChunk],
+    ) -> int:
+        """Validate a masked vector chunk by chunk and fold each into the secure sum at once
+        (no spool: it is uniformly random, and a broken stream is taken back out)."""
+        upload = MaskedUpload(
+            state.layout.length + 1,
+            self.config.chunk_bytes,
+            lambda offset, values: state.fold_masked(session, offset, values),
+        )
+        for chunk in self._chunks(session, header, request_iterator):
+            upload.add(chunk)
+        upload.finish()
+        return upload.bytes_received
+
+    def _chunks(
+        self,
+        session: Session,
+        header: pb.UploadHeader,
+        request_iterator: Iterator[pb.UpdateChunk],
+    ) -> Iterator[Chunk]:
+        """The chunks after an upload's header (counted as received); a second header is refused."""
+        for message in request_iterator:
+            if message.WhichOneof("kind") != "chunk":
+                raise UploadRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"site {session.site!r}, round {header.round}: a second header in one upload",
+                )
+            chunk = wire.chunk_from_proto(message.chunk)
+            self.coordinator.transfers.add(received=len(chunk.data))
+            yield chunk
 
     def _refuse(
         self,

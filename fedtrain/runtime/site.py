@@ -7,6 +7,11 @@ the version is cached), train with the task, upload the delta in chunks. Anythin
 that breaks the connection sends the daemon back to reconnecting with exponential
 backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
 that restarts with `--resume` is simply rejoined.
+
+A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
+instead of in this process (see `site_parallel`). The group is started before the
+first join and kept across rounds and reconnects, because starting workers costs
+seconds per round otherwise; a failed group round fails that round only.
 """
 
 from __future__ import annotations
@@ -21,14 +26,24 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import Dataset
 
-from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
+from fedtrain.errors import (
+    ConfigError,
+    FedtrainError,
+    ProtocolError,
+    SecAggError,
+    WorkerGroupError,
+)
+from fedtrain.parallel import TorchrunGroup
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site_data import site_dataset
-from fedtrain.strategy import compute_delta
+from fedtrain.runtime.site_parallel import train_timeout_s, worker_group
+from fedtrain.runtime.site_secagg import RoundSuperseded, SiteSecAgg
+from fedtrain.strategy import RoundConfig, compute_delta
 from fedtrain.task import (
     Task,
     TaskContext,
@@ -42,7 +57,7 @@ from fedtrain.tensors import Chunk, ModelState, StateAssembler, chunk_values, to
 
 log = logging.getLogger(__name__)
 
-CAPABILITIES = ("train",)
+CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
 
 
 class JoinRefused(FedtrainError):
@@ -102,26 +117,32 @@ class SiteDaemon:
         self.config = config
         self.insecure = insecure
         self._credentials: grpc.ChannelCredentials | None = None
+        self.name = site_name(config, insecure=insecure)
         if insecure:
-            if not config.name:
-                raise ConfigError("site.toml: `name` is required without TLS (--insecure)")
-            self.name = tls.validate_site_name(config.name)
             log.warning("connecting WITHOUT TLS (--insecure): use this only for local tests")
         else:
             ca, cert, key = config.tls.require("site.toml")
-            info = tls.check_certificate(cert, ca, purpose="site", key_path=key)
-            if config.name and config.name != info.common_name:
-                raise ConfigError(
-                    f"site.toml: name = {config.name!r} but the certificate {cert} is for "
-                    f"{info.common_name!r}; fix `name` or leave it empty"
-                )
-            self.name = str(info.common_name)
             self._credentials = tls.channel_credentials(cert, key, ca)
         self.task = task or load_task(config.task, config.task_options)
         self.fingerprint = task_fingerprint(self.task)
+        #: DDP workers that train every round, kept across rounds and reconnects (started
+        #: by `run()`); None: the daemon trains in its own process.
+        self.group = worker_group(config, self.name)
+        if self.group is not None and (task is not None or data is not None):
+            raise ConfigError(
+                "this site trains in worker processes (devices/nproc/torchrun), which build "
+                "the task and data from site.toml: pass neither task= nor data="
+            )
+        #: Set when the site cannot train any more (a torchrun group broke): `run()`
+        #: returns and the CLI exits non-zero, so torchrun can restart the site.
+        self.fatal: str | None = None
         self.device = resolve_device(config.device)
-        self.data = data if data is not None else site_dataset(self.task, config.data, self.name)
-        self.model = model_for(self.task, config.seed).to(self.device)
+        # With a worker group the ranks hold the data and the model, not the daemon.
+        self.data: Dataset | None = None
+        self.model: nn.Module | None = None
+        if self.group is None:
+            self.data = site_dataset(self.task, config.data, self.name) if data is None else data
+            self.model = model_for(self.task, config.seed).to(self.device)
         self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
         #: Model downloads actually made (cache hits are not downloads).
         self.downloads = 0
@@ -132,10 +153,22 @@ class SiteDaemon:
         self._call: grpc.Call | None = None
         self._job: tuple[Link, pb.Instruction] | None = None
         self._job_ready = threading.Condition()
+        self.secagg = SiteSecAgg(config.seed)  # this site's secure-aggregation rounds
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
-        """Join and serve instructions; reconnect with backoff until `stop()`."""
+        """Start the worker group (if any), join and serve instructions; reconnect with
+        backoff until `stop()`. The group is closed on the way out, however it goes."""
+        if self.group is not None:
+            try:
+                self.group.start()  # before joining: a site that cannot train stays away
+            except BaseException as exc:
+                self._close_group()
+                if isinstance(exc, WorkerGroupError):
+                    raise WorkerGroupError(
+                        f"site {self.name!r} cannot train: {exc}", exc.failures, restarting=False
+                    ) from None
+                raise
         trainer = threading.Thread(target=self._train_loop, name="fedtrain-trainer", daemon=True)
         trainer.start()
         backoff = Backoff(self.config.reconnect.min_s, self.config.reconnect.max_s)
@@ -164,8 +197,18 @@ class SiteDaemon:
                 self._stop.wait(delay)
         finally:
             self.stop()
+            self._close_group()  # first: it cuts a round in training short
             trainer.join(timeout=5.0)
         log.info("site %r stopped", self.name)
+
+    def _close_group(self) -> None:
+        """Stop every worker; on the way out, so a failure is logged, not raised."""
+        if self.group is None:
+            return
+        try:
+            self.group.close()
+        except Exception as exc:  # e.g. a torchrun peer already gone: nothing left to tell
+            log.warning("closing the worker group: %s: %s", type(exc).__name__, exc)
 
     def stop(self) -> None:
         """Leave: cancel the control stream and end the threads (idempotent, signal-safe)."""
@@ -176,6 +219,7 @@ class SiteDaemon:
             call.cancel()
         with self._job_ready:
             self._job_ready.notify_all()
+        self.secagg.close("the site is stopping")
 
     # -- the control stream ------------------------------------------------------------------
     def _channel(self) -> grpc.Channel:
@@ -224,6 +268,12 @@ class SiteDaemon:
                     if link is None:
                         raise ProtocolError("the server sent an instruction before Welcome")
                     self._submit(link, message.instruction)
+                elif kind == "secagg":
+                    if link is None:
+                        raise ProtocolError(
+                            "the server sent a secure-aggregation stage before Welcome"
+                        )
+                    self.secagg.handle(link, message.secagg)
                 elif kind == "reject":
                     raise JoinRefused(message.reject.reason)
                 elif kind == "shutdown":
@@ -235,6 +285,7 @@ class SiteDaemon:
         finally:
             if link is not None:
                 link.closed.set()
+                self.secagg.close("the session ended")
             outbox.put(None)
             call.cancel()
             channel.close()
@@ -244,6 +295,13 @@ class SiteDaemon:
     def _welcome(
         self, channel: grpc.Channel, outbox: queue.SimpleQueue[pb.SiteMessage | None], w: pb.Welcome
     ) -> Link:
+        if self.config.require_secagg and not w.secagg:
+            raise SecAggError(
+                "this site requires secure aggregation (require_secagg = true in site.toml), "
+                f"but the server at {self.config.server} (run {w.run_id}) does not run it; "
+                "refusing to train for it. The server operator must enable [secagg] in "
+                "server.toml"
+            )
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
@@ -262,6 +320,16 @@ class SiteDaemon:
                 "ignoring a %s instruction (only TRAIN is supported)",
                 pb.InstructionKind.Name(instruction.kind),
             )
+            return
+        if instruction.secagg:
+            self.secagg.expect(instruction)  # its stage messages follow on this stream
+        elif self.config.require_secagg:
+            refusal = (
+                f"round {instruction.round}: the server asks for a plain update, but this site "
+                "requires secure aggregation (require_secagg = true); refusing to train"
+            )
+            log.error("%s", refusal)
+            link.report(instruction.round, refusal)
             return
         with self._job_ready:
             self._job = (link, instruction)
@@ -287,15 +355,16 @@ class SiteDaemon:
             global_state = self.fetch_model(link, instruction.model_version)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
-            global_state.load_into(self.model)
-            result = self.task.train(self.model, self.data, config, self.context)
+            local, result = self._train(global_state, config, instruction.deadline_unix)
             clock.mark("train")
-            # Views of the trained weights (no copy on the CPU); the delta is computed
-            # chunk by chunk while it streams out.
-            local = ModelState(self.model.state_dict())
-            receipt = self._upload(
-                link, instruction, delta_chunks(local, global_state, link.chunk_bytes), result
-            )
+            if instruction.secagg:  # the update leaves the site only masked
+                header, chunks = self.secagg.masked_update(
+                    link, instruction, local, global_state, result
+                )
+            else:
+                header = _plain_header(link, instruction, result)
+                chunks = delta_chunks(local, global_state, link.chunk_bytes)
+            receipt = self._upload(link, header, chunks)
             clock.mark("upload")
             self.rounds_trained += 1
             log.info(
@@ -315,9 +384,35 @@ class SiteDaemon:
                 _describe(exc),
             )
             link.report(server_round, _describe(exc))
+        except RoundSuperseded as exc:
+            log.info("round %d abandoned: %s", server_round, exc)
+        except WorkerGroupError as exc:  # the ranks' tracebacks are logged already
+            if self._stop.is_set():
+                log.info("round %d abandoned: the site is stopping", server_round)
+                return
+            log.error("round %d failed at site %r: %s", server_round, self.name, exc)
+            link.report(server_round, f"{type(exc).__name__}: {exc}")
+            if isinstance(self.group, TorchrunGroup):  # it cannot restart its own ranks
+                self.fatal = f"round {server_round}: {exc}"
+                self.stop()
         except Exception as exc:  # the task's code may raise anything; the daemon survives it
             log.exception("round %d failed at this site", server_round)
             link.report(server_round, f"{type(exc).__name__}: {exc}")
+
+    def _train(
+        self, global_state: ModelState, config: RoundConfig, deadline_unix: float
+    ) -> tuple[ModelState, TrainResult]:
+        """One round's local training: (trained state, result), in this process or on
+        the worker group. The state may be views of the live weights (no copy on the
+        CPU); the delta is computed chunk by chunk from it while it streams out."""
+        if self.group is not None:
+            return self.group.train_round(
+                global_state, config, timeout_s=train_timeout_s(deadline_unix)
+            )
+        assert self.model is not None and self.data is not None
+        global_state.load_into(self.model)
+        result = self.task.train(self.model, self.data, config, self.context)
+        return ModelState(self.model.state_dict()), result
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks."""
@@ -350,30 +445,47 @@ class SiteDaemon:
         return state
 
     def _upload(
-        self,
-        link: Link,
-        instruction: pb.Instruction,
-        delta: Iterator[Chunk],
-        result: TrainResult,
+        self, link: Link, header: pb.UploadHeader, chunks: Iterator[Chunk]
     ) -> pb.UploadReceipt:
         upload = link.channel.stream_unary(
             wire.method_path("UploadUpdate"),
             request_serializer=wire.serialize_stream_item,
             response_deserializer=pb.UploadReceipt.FromString,
         )
-        header = pb.UploadHeader(
-            round=instruction.round,
-            session_token=link.token,
-            num_examples=result.num_examples,
-            metrics={k: float(v) for k, v in result.metrics.items()},
-            model_version=instruction.model_version,
-        )
 
         def items() -> Iterator[object]:
             yield pb.UpdateChunk(header=header)
-            yield from delta
+            yield from chunks
 
         return upload(items())
+
+
+def _plain_header(link: Link, instruction: pb.Instruction, result: TrainResult) -> pb.UploadHeader:
+    """The header of an unmasked update: its weight and metrics travel in the clear."""
+    return pb.UploadHeader(
+        round=instruction.round,
+        session_token=link.token,
+        num_examples=result.num_examples,
+        metrics={k: float(v) for k, v in result.metrics.items()},
+        model_version=instruction.model_version,
+    )
+
+
+def site_name(config: SiteConfig, *, insecure: bool) -> str:
+    """The name this site joins as: `name` without TLS, else its certificate's name
+    (which `name`, when set, must match). Every torchrun rank derives it the same way."""
+    if insecure:
+        if not config.name:
+            raise ConfigError("site.toml: `name` is required without TLS (--insecure)")
+        return tls.validate_site_name(config.name)
+    ca, cert, key = config.tls.require("site.toml")
+    info = tls.check_certificate(cert, ca, purpose="site", key_path=key)
+    if config.name and config.name != info.common_name:
+        raise ConfigError(
+            f"site.toml: name = {config.name!r} but the certificate {cert} is for "
+            f"{info.common_name!r}; fix `name` or leave it empty"
+        )
+    return str(info.common_name)
 
 
 def delta_chunks(local: ModelState, global_state: ModelState, chunk_bytes: int) -> Iterator[Chunk]:

@@ -7,6 +7,11 @@ complete would cost O(sites x model) of server memory. Writing the (already
 validated) raw bytes sequentially to a temporary file keeps memory O(chunk) per
 upload; a bad or truncated stream is simply deleted, and a complete one is read back
 in chunk-sized pieces into the aggregate under the round's lock.
+
+A secure-aggregation round's masked vector is the exception (`MaskedUpload`): it is
+uniformly random, so folding it into the modular sum as it arrives reveals nothing,
+and a stream that breaks is subtracted back out (`SecAggServer.abort_masked_input`).
+It gets the same chunk checks, but no spool.
 """
 
 from __future__ import annotations
@@ -14,12 +19,15 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import torch
 
 from fedtrain.errors import TensorStreamError
+from fedtrain.runtime.wire import masked_spec
 from fedtrain.strategy.aggregate import Aggregator, accumulator_dtype, check_finite
 from fedtrain.tensors import Chunk, ChunkValidator, TensorSpec, chunk_values, torch_dtype
 
@@ -55,12 +63,8 @@ class UpdateSpool:
 
     def add(self, chunk: Chunk) -> None:
         """Validate one chunk (placement, size, finiteness) and append its bytes to the file."""
+        check_chunk_size(chunk, self.max_chunk_bytes)
         size = len(chunk.data)
-        if size > self.max_chunk_bytes:
-            raise TensorStreamError(
-                f"{chunk.name!r}: a chunk of {size} bytes exceeds the server's chunk_bytes "
-                f"({self.max_chunk_bytes})"
-            )
         spec = self._validator.check(chunk)
         ensure_finite(spec.name, chunk_values(chunk))
         self._file.write(chunk.data)
@@ -104,6 +108,57 @@ class UpdateSpool:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+#: Folds one chunk of masked values at an element offset; True once the vector is whole.
+MaskedFold = Callable[[int, np.ndarray], bool]
+
+
+class MaskedUpload:
+    """One site's masked vector on its way in: checked chunk by chunk, folded at once.
+
+    The chunks must form exactly one `masked_spec(length)` tensor, in order (the
+    secure aggregator keeps a journal of a partial vector so it can take it out again,
+    which needs contiguous chunks). `fold` does the folding (under the round's lock).
+    """
+
+    def __init__(self, length: int, max_chunk_bytes: int, fold: MaskedFold) -> None:
+        self._validator = ChunkValidator((masked_spec(length),))
+        self.max_chunk_bytes = max_chunk_bytes
+        self._fold = fold
+        self._next = 0  # byte offset the next chunk must start at
+        self.complete = False
+
+    @property
+    def bytes_received(self) -> int:
+        return self._validator.bytes_received
+
+    def add(self, chunk: Chunk) -> None:
+        check_chunk_size(chunk, self.max_chunk_bytes)
+        self._validator.check(chunk)
+        if chunk.offset != self._next:
+            raise TensorStreamError(
+                f"{chunk.name!r}: chunk at byte {chunk.offset}, expected byte {self._next} "
+                "(masked vectors must arrive in order)"
+            )
+        self._next += len(chunk.data)
+        values = np.frombuffer(chunk.data, dtype="<u4")
+        self.complete = self._fold(chunk.offset // values.itemsize, values)
+
+    def finish(self) -> None:
+        """Raise unless the whole vector arrived (and was folded)."""
+        self._validator.check_complete()
+        if not self.complete:  # pragma: no cover - the validator saw every byte
+            raise TensorStreamError("the masked vector arrived but was not completed")
+
+
+def check_chunk_size(chunk: Chunk, max_chunk_bytes: int) -> None:
+    """A chunk larger than the server's `chunk_bytes` is refused (memory per upload)."""
+    if len(chunk.data) > max_chunk_bytes:
+        raise TensorStreamError(
+            f"{chunk.name!r}: a chunk of {len(chunk.data)} bytes exceeds the server's "
+            f"chunk_bytes ({max_chunk_bytes})"
+        )
 
 
 def ensure_finite(name: str, values: torch.Tensor) -> None:

@@ -9,19 +9,24 @@ the peer decodes it with the generated classes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+import numpy as np
+import torch
 
 from fedtrain.errors import ProtocolError
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.strategy import RoundConfig, Scalar
-from fedtrain.tensors import Chunk, TensorSpec
+from fedtrain.tensors import Chunk, ModelState, TensorSpec
 
 #: Bumped when server and site can no longer talk; a Join with another one is refused.
 PROTOCOL_VERSION = 1
 SERVICE = pb.DESCRIPTOR.services_by_name["Fedtrain"].full_name
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
+#: Join capability of a site that speaks secure aggregation (a secagg server requires it).
+SECAGG_CAPABILITY = "secagg"
 
 
 def method_path(name: str) -> str:
@@ -88,6 +93,25 @@ def manifest(version: str, specs: Iterable[TensorSpec]) -> pb.Manifest:
         specs=[spec_to_proto(s) for s in specs],
         total_bytes=sum(s.nbytes for s in specs),
     )
+
+
+# -- secure aggregation's masked vector -------------------------------------------------------
+#: The one tensor of a masked upload. Its uint32 bits travel as int32 elements: the wire
+#: has no unsigned 32-bit dtype, and only the bits matter (they are summed mod 2^32).
+MASKED_TENSOR = "secagg.masked"
+
+
+def masked_spec(length: int) -> TensorSpec:
+    """The spec a masked upload of `length` elements (update values + weight) must match."""
+    return TensorSpec(MASKED_TENSOR, "int32", (length,))
+
+
+def masked_chunks(vector: np.ndarray, chunk_bytes: int) -> Iterator[Chunk]:
+    """A masked uint32 vector as upload chunks (zero-copy views, like a model's)."""
+    if vector.dtype != np.uint32 or vector.ndim != 1:
+        raise ProtocolError(f"a masked vector is 1-D uint32, got {vector.dtype} {vector.shape}")
+    bits = torch.from_numpy(np.ascontiguousarray(vector).view(np.int32))
+    return ModelState({MASKED_TENSOR: bits}).chunks(chunk_bytes)
 
 
 def chunk_from_proto(msg: pb.TensorChunk) -> Chunk:

@@ -88,7 +88,9 @@ class Bf16Task(TinyTask):
 class FakeSite:
     """A site driven by the test through the generated stub: join, read, upload by hand."""
 
-    def __init__(self, port: int, name: str, fingerprint: str) -> None:
+    def __init__(
+        self, port: int, name: str, fingerprint: str, capabilities: tuple[str, ...] = ()
+    ) -> None:
         self.name = name
         self.channel = grpc.insecure_channel(
             f"127.0.0.1:{port}", options=wire.channel_options(64 * 1024 * 1024)
@@ -102,6 +104,7 @@ class FakeSite:
                     site_name=name,
                     task_fingerprint=fingerprint,
                     protocol_version=wire.PROTOCOL_VERSION,
+                    capabilities=capabilities,
                 )
             )
         )
@@ -250,6 +253,10 @@ class Deployment:
             args.append("--insecure")
         self._start(name, fedtrain_command(*args))
 
+    def start_command(self, name: str, args: list[str]) -> None:
+        """Start any command (e.g. a site under torchrun) as part of the deployment."""
+        self._start(name, args)
+
     def proc(self, name: str) -> Any:
         return self.procs.procs[name]
 
@@ -295,6 +302,15 @@ class Deployment:
         self.close()
 
 
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: started once per test process by the first
+    torch.multiprocessing user (tests/parallel) and kept for the process's lifetime."""
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except psutil.Error:
+        return False
+
+
 def assert_gone(pids: list[int]) -> None:
     """No process we started is alive (zombies do not count), nor any child of ours."""
     alive = []
@@ -306,6 +322,8 @@ def assert_gone(pids: list[int]) -> None:
             pass
     assert not alive, f"processes left behind: {alive}"
     children = [
-        c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE
+        c
+        for c in psutil.Process().children(recursive=True)
+        if c.status() != psutil.STATUS_ZOMBIE and not _is_resource_tracker(c)
     ]
     assert not children, f"child processes left behind: {children}"

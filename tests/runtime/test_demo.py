@@ -1,4 +1,5 @@
-"""`fedtrain demo` as a user runs it: real processes over mutual TLS, nothing left behind."""
+"""`fedtrain demo` as a user runs it: real processes over mutual TLS with secure aggregation,
+nothing left behind."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
     assert "final accuracy: 0." in out.stdout
     server_log = (tmp_path / "logs" / "server.log").read_text()
     assert "mutual TLS" in server_log and "run" in server_log
+    # Secure aggregation is the demo's default: only masked updates reach the server.
+    assert "secure aggregation on" in server_log
+    assert "unmasked the sum of 4/4 sites" in server_log
+    assert "masked update of" in server_log and "plain update of" not in server_log
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
     for i in range(4):
         assert "joined run" in (tmp_path / "logs" / f"site-{i}.log").read_text()

@@ -1,0 +1,121 @@
+"""The ``[secagg]`` table of a config file, shared by the runtime and the simulation.
+
+:class:`SecAggConfig` is the protocol's own (frozen, ``None`` for "choose for me")
+configuration; this is its TOML face: every key documented with ``option()`` so the
+README reference is generated from it, ``0`` standing for "automatic" (TOML has no
+null), and a bad value refused when the file is read, naming the ``secagg.`` key,
+instead of rounds later as a wrapped sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fedtrain.config import option
+from fedtrain.errors import ConfigError, SecAggError
+from fedtrain.secagg.config import SecAggConfig
+
+
+@dataclass
+class SecAggSettings:
+    enabled: bool = option(
+        False,
+        "Mask every update so the server learns only the weighted sum over the sites "
+        "(SecAgg+). Needs a sum-only strategy and >= 2 sites per round; `secagg = true` is "
+        "shorthand for this table with its defaults.",
+    )
+    clip: float = option(
+        1.0,
+        "Each update value is clipped to [-clip, clip] before quantization: set it above "
+        "your updates' largest values (the quantization step grows with it).",
+    )
+    bits: int = option(
+        0,
+        "Bits per weighted value; 0: the most that cannot wrap for max_clients "
+        "(max_clients * (2^bits - 1) < 2^32).",
+    )
+    max_clients: int = option(
+        100, "Most sites one round may aggregate; fewer leaves more bits per value."
+    )
+    max_weight: float = option(
+        100_000.0,
+        "Largest example count one site may declare. Updates are multiplied by their "
+        "weight before encoding: step = 2 * clip * max_weight / (2^bits - 1).",
+    )
+    weight_resolution: float = option(
+        1.0, "Weights are rounded to multiples of this (1.0: example counts are exact)."
+    )
+    k: int = option(
+        0,
+        "Neighbours per site in the SecAgg+ graph; 0: sized each round from dropout_rate "
+        "and corruption_rate (every other site, i.e. classic SecAgg, for small rounds).",
+    )
+    t: int = option(
+        0,
+        "Shamir threshold: shares needed to rebuild a site's secret; must exceed "
+        "(k + 1) / 2. 0: with k = 0 sized with it, else the smallest secure one.",
+    )
+    dropout_rate: float = option(
+        0.1, "Expected fraction of sites that drop mid-round; sizes k and t when they are 0."
+    )
+    corruption_rate: float = option(
+        0.0,
+        "Assumed fraction of sites colluding with the server; sizes k and t when they are 0.",
+    )
+    failure_probability: float = option(
+        1e-6, "Target probability that dropouts make a round fail (sizing k and t)."
+    )
+    leak_probability: float = option(
+        1e-9, "Target probability that colluders can unmask a site (sizing k and t)."
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("bits", "k", "t"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"secagg.{key} must be >= 0 (0: automatic)")
+        try:
+            self.protocol()
+        except SecAggError as exc:
+            raise ConfigError(f"secagg: {exc}") from None
+
+    @classmethod
+    def from_scalar(cls, value: Any, key: str) -> dict[str, Any]:
+        """``secagg = true`` / ``false``: the table with every default (config shorthand)."""
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} should be true, false or a table")
+        return {"enabled": value}
+
+    def protocol(self) -> SecAggConfig:
+        """The protocol configuration these settings describe (validated)."""
+        return SecAggConfig(
+            clip=self.clip,
+            max_clients=self.max_clients,
+            bits=self.bits or None,
+            max_weight=self.max_weight,
+            weight_resolution=self.weight_resolution,
+            k=self.k or None,
+            t=self.t or None,
+            dropout_rate=self.dropout_rate,
+            corruption_rate=self.corruption_rate,
+            failure_probability=self.failure_probability,
+            leak_probability=self.leak_probability,
+        )
+
+
+def require_sum_only(strategy: Any, where: str = "strategy.name") -> None:
+    """Refuse a strategy that needs more than the sum of the updates.
+
+    Under secure aggregation the server only ever holds the sum, so a strategy that
+    looks at individual updates (median, trimmed mean, Krum) or clips them on the
+    server (dpfedavg) cannot run; it says so with ``needs_only_sum = False``.
+    """
+    if getattr(strategy, "needs_only_sum", True):
+        return
+    name = getattr(strategy, "name", type(strategy).__name__)
+    raise ConfigError(
+        f"{where} = {name!r} cannot run with secure aggregation: it needs every site's "
+        "update (or clips them on the server), but with secagg the server only learns their "
+        "sum. Use a sum-only strategy (fedavg, fedprox, fedavgm, fedadam, fedyogi, "
+        "fedadagrad), or turn secure aggregation off (secagg.enabled = false)"
+    )

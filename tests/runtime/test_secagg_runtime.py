@@ -1,0 +1,464 @@
+"""Secure aggregation in the runtime: over real gRPC in-process, then as real processes.
+
+In-process tests spy on the protocol objects to check what the server really folds
+(masked, uniformly random vectors, never a site's quantized update) and that the
+unmasked result is the weighted mean of what the sites put in. Integration tests run
+`fedtrain server` / `fedtrain client` processes over mutual TLS and kill a site
+mid-protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from runtime_support import Deployment, FakeSite, TinyTask, wait_for
+
+from fedtrain.config import from_dict
+from fedtrain.errors import ConfigError
+from fedtrain.runtime import wire
+from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.config import ServerConfig, SiteConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server import AggregationServer
+from fedtrain.runtime.site import SiteDaemon
+from fedtrain.secagg import (
+    KeysBroadcast,
+    RoutedShares,
+    SecAggClient,
+    SecAggServer,
+    SetupRequest,
+    decode_message,
+)
+from fedtrain.secagg.updates import UpdateLayout
+from fedtrain.strategy import FedMedian
+from fedtrain.strategy.aggregate import apply_mean_delta
+from fedtrain.task import task_fingerprint
+from fedtrain.tensors import ModelState
+
+#: 28 bits per value: quantized values are < 2^28, masked ones uniform over Z_2^32.
+BITS = 28
+SECAGG = {"enabled": True, "clip": 4.0, "bits": BITS, "max_clients": 8, "max_weight": 1000.0}
+CLIENT = {"epochs": 1, "batch_size": 16, "lr": 0.1}
+
+
+# -- in-process harness -------------------------------------------------------------------------
+def _server(tmp_path: Path, task: TinyTask, sites: int, **extra: Any) -> AggregationServer:
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 1,
+        "round_timeout_s": 60.0,
+        "chunk_bytes": 64,  # a masked vector spans many chunks
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        "client": CLIENT,
+        "secagg": SECAGG,
+        **extra,
+    }
+    raw["strategy"] = {
+        "min_fit_clients": sites,
+        "min_available_clients": sites,
+        **raw.get("strategy", {}),
+    }
+    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
+    server.start()
+    return server
+
+
+def _daemon(server: AggregationServer, task: TinyTask, name: str, part: int, **site: Any) -> Any:
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "name": name,
+        "server": f"127.0.0.1:{server.port}",
+        "data": {"kind": "quantity", "partition": part, "num_partitions": 3, "seed": 1},
+        "reconnect": {"min_s": 0.1, "max_s": 0.5},
+        **site,
+    }
+    daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=True, task=task)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    return daemon, thread
+
+
+@pytest.fixture
+def owned() -> Iterator[list[Any]]:
+    """Servers, daemons (with their threads) and fake sites, stopped at the end."""
+    things: list[Any] = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, tuple):
+            thing[0].stop()
+            thing[1].join(10)
+            assert not thing[1].is_alive()
+        elif isinstance(thing, FakeSite):
+            thing.close()
+        else:
+            thing.stop()
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Records each site's input (as the site sets it) and each chunk the server folds."""
+    seen: dict[str, Any] = {"inputs": {}, "chunks": {}, "results": []}
+    set_input, receive_chunk, finish = (
+        SecAggClient.set_input,
+        SecAggServer.receive_masked_chunk,
+        SecAggServer.finish,
+    )
+
+    def spy_input(self: SecAggClient, update: np.ndarray, weight: float) -> None:
+        seen["inputs"][self.site] = (np.array(update, dtype=np.float64), float(weight))
+        set_input(self, update, weight)
+
+    def spy_chunk(self: SecAggServer, site: int, offset: int, chunk: np.ndarray) -> bool:
+        seen["chunks"].setdefault(site, []).append((offset, np.array(chunk)))
+        return receive_chunk(self, site, offset, chunk)
+
+    def spy_finish(self: SecAggServer) -> Any:
+        result = finish(self)
+        seen["results"].append(result)
+        return result
+
+    monkeypatch.setattr(SecAggClient, "set_input", spy_input)
+    monkeypatch.setattr(SecAggServer, "receive_masked_chunk", spy_chunk)
+    monkeypatch.setattr(SecAggServer, "finish", spy_finish)
+    return seen
+
+
+def _expected_mean(inputs: dict[int, tuple[np.ndarray, float]], clip: float) -> np.ndarray:
+    total = sum(w for _, w in inputs.values())
+    return sum(w * np.clip(x, -clip, clip) for x, w in inputs.values()) / total
+
+
+# -- in-process tests ---------------------------------------------------------------------------
+def test_server_folds_only_masked_vectors_and_unmasks_the_weighted_mean(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    task = TinyTask(features=100)
+    server = _server(tmp_path, task, sites=3)
+    owned.append(server)
+    initial = server.coordinator.global_model.state.clone()
+    for i, name in enumerate(("a", "b", "c")):
+        owned.append(_daemon(server, task, name, i, require_secagg=True))
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    record = server.coordinator.last_metrics
+    assert record["clients"] == 3 and record["dropped"] == []
+
+    inputs, chunks = spy["inputs"], spy["chunks"]
+    assert sorted(inputs) == sorted(chunks) == [1, 2, 3]
+    assert len({w for _, w in inputs.values()}) == 3  # quantity skew: the weights differ
+    # What the server folded for each site is its masked vector, not its quantized update:
+    # quantized values are < 2^28, a masked vector is uniform over Z_2^32.
+    folded = {site: np.concatenate([c for _, c in parts]) for site, parts in chunks.items()}
+    for site, vector in folded.items():
+        assert len(chunks[site]) > 1 and vector.shape == (203,)
+        assert np.mean(vector >= 1 << BITS) > 0.8, f"site {site}'s upload looks unmasked"
+    top = np.concatenate(list(folded.values())) >> 28  # 16 bins of the top 4 bits
+    counts = np.bincount(top, minlength=16)
+    expected = top.size / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 50, counts  # chi2(15): p ~ 1e-5
+
+    # The unmasked result is the weighted mean of what the sites put in, within the bound.
+    (result,) = spy["results"]
+    total = sum(w for _, w in inputs.values())
+    bound = result.quantizer.mean_error_bound(3, total)
+    want = _expected_mean(inputs, SECAGG["clip"])
+    assert result.total_weight == total
+    assert np.abs(result.weighted_mean() - want).max() <= bound
+    # ...and that mean, through FedAvg, is the new global model.
+    layout = UpdateLayout.of(initial.specs)
+    expected_model = apply_mean_delta(initial, layout.unflatten(want.astype(np.float32)))
+    for name, tensor in server.coordinator.global_model.state.items():
+        assert torch.allclose(tensor, expected_model[name], atol=bound + 1e-6), name
+    uploads = [r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == "upload"]
+    assert all(r["masked"] and r["num_examples"] == 0 for r in uploads)  # weights stay masked
+
+
+def _answer(site: FakeSite, client: SecAggClient | None = None) -> Any:
+    """Read the next secagg stage message, answer it with `client`; returns (client, msg)."""
+    message = site.expect("secagg").secagg
+    msg = decode_message(message.payload)
+    if isinstance(msg, SetupRequest):
+        client = SecAggClient(msg.site)
+    assert client is not None
+    if not isinstance(msg, RoutedShares):
+        reply = client.handle(msg)
+        site.outbox.put(
+            pb.SiteMessage(
+                secagg=pb.SecAggMessage(
+                    round=message.round, stage=message.stage, payload=reply.to_bytes()
+                )
+            )
+        )
+    return client, msg
+
+
+def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    task = TinyTask(features=100)
+    # Three sites start the round; two updates are enough to finish it.
+    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
+    owned.append(server)
+    for i, name in enumerate(("a", "b")):
+        owned.append(_daemon(server, task, name, i))
+    fake = FakeSite(server.port, "zz", task_fingerprint(task), capabilities=("train", "secagg"))
+    owned.append(fake)
+    instruction = fake.expect("instruction").instruction
+    assert instruction.secagg
+    client, setup = _answer(fake)
+    assert isinstance(setup, SetupRequest) and setup.site == 3  # sorted names: a, b, zz
+    _, keys = _answer(fake, client)
+    assert isinstance(keys, KeysBroadcast)
+
+    header = fake.header(1, num_examples=0, model_version=instruction.model_version)
+    with pytest.raises(grpc.RpcError) as info:  # a plain update is refused in a secure round
+        fake.upload([header])
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "plain (unmasked) update is refused" in info.value.details()
+
+    _, routed = _answer(fake, client)
+    assert isinstance(routed, RoutedShares)
+    client.set_input(np.full(setup.params.vector_length, 0.5), 40.0)
+    masked = client.handle(routed)
+    pieces = list(wire.masked_chunks(masked.vector, 64))
+    header.header.masked = True
+    half = [pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in pieces[: len(pieces) // 2]]
+    with pytest.raises(grpc.RpcError) as info:
+        fake.upload([header, *half])  # the stream ends halfway
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream ended early" in info.value.details()
+    assert len(spy["chunks"][3]) == len(half) > 1  # those chunks were folded, then taken out
+    fake.report_error(1, "upload broke")  # what a daemon does when its upload fails
+
+    assert server.wait(90), "the round did not complete without the broken site"
+    assert server.coordinator.error is None
+    record = server.coordinator.last_metrics
+    assert record["clients"] == 2 and record["failed"] == ["zz"]
+    (result,) = spy["results"]
+    assert result.included == (1, 2)
+    inputs = {s: v for s, v in spy["inputs"].items() if s in (1, 2)}
+    bound = result.quantizer.mean_error_bound(2, result.total_weight)
+    assert np.abs(result.weighted_mean() - _expected_mean(inputs, SECAGG["clip"])).max() <= bound
+    stages = [
+        r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == "secagg_stage"
+    ]
+    assert [r["stage"] for r in stages] == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "UNMASK"]
+    assert stages[2]["missing"] == ["zz"] and stages[3]["missing"] == []
+
+
+@pytest.mark.parametrize("stage", ["SETUP", "SHARE_KEYS", "UNMASK"])
+def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], stage: str
+) -> None:
+    task = TinyTask(features=100)
+    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
+    owned.append(server)
+    for i, name in enumerate(("a", "b")):
+        owned.append(_daemon(server, task, name, i))
+    fake = FakeSite(server.port, "zz", task_fingerprint(task), capabilities=("train", "secagg"))
+    owned.append(fake)
+    instruction = fake.expect("instruction").instruction
+    if stage == "SETUP":
+        fake.expect("secagg")
+    else:
+        client, setup = _answer(fake)
+        if stage == "SHARE_KEYS":
+            fake.expect("secagg")
+        else:  # deliver the masked input, then vanish before unmasking
+            _answer(fake, client)
+            _, routed = _answer(fake, client)
+            client.set_input(np.full(setup.params.vector_length, 0.5), 40.0)
+            masked = client.handle(routed)
+            header = fake.header(1, num_examples=0, model_version=instruction.model_version)
+            header.header.masked = True
+            chunks = wire.masked_chunks(masked.vector, 64)
+            fake.upload([header, *(pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks)])
+    fake.close()
+
+    assert server.wait(90), f"the round did not complete after a dropout at {stage}"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    included = (1, 2, 3) if stage == "UNMASK" else (1, 2)  # a masked input, once in, counts
+    assert result.included == included
+    record = server.coordinator.last_metrics
+    assert record["clients"] == len(included)
+    assert record["dropped"] == ([] if stage == "UNMASK" else ["zz"])
+    inputs = {s: v for s, v in spy["inputs"].items() if s in included}
+    bound = result.quantizer.mean_error_bound(len(included), result.total_weight)
+    assert np.abs(result.weighted_mean() - _expected_mean(inputs, SECAGG["clip"])).max() <= bound
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
+    assert missing[stage] == ["zz"]
+
+
+def test_site_requiring_secagg_refuses_a_plain_server(
+    tmp_path: Path, owned: list[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, sites=1, secagg={"enabled": False})
+    owned.append(server)
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.site")
+    daemon, thread = _daemon(server, task, "careful", 0, require_secagg=True)
+    owned.append((daemon, thread))
+    wait_for(lambda: "requires secure aggregation" in caplog.text, 30, "the site's refusal")
+    assert "does not run it; refusing to train for it" in caplog.text
+    assert daemon.downloads == daemon.rounds_trained == 0
+    assert not any(r["event"] == "upload" for r in read_audit(server.run_dir.path / "audit.jsonl"))
+
+
+def test_secure_server_refuses_sites_that_cannot_mask(tmp_path: Path, owned: list[Any]) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, sites=2)
+    owned.append(server)
+    with pytest.raises(AssertionError, match="does not support secure aggregation"):
+        FakeSite(server.port, "old", task_fingerprint(task))
+
+
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg"])
+def test_strategies_that_need_every_update_are_refused_with_secagg(name: str) -> None:
+    raw = {"task": "t:T", "secagg": True, "strategy": {"name": name}}
+    with pytest.raises(ConfigError, match=f"'{name}' cannot run with secure aggregation"):
+        from_dict(ServerConfig, raw)
+
+
+def test_secagg_config_errors_name_the_key(tmp_path: Path) -> None:
+    base = {"task": "t:T"}
+    with pytest.raises(ConfigError, match="min_fit_clients = 1: secure aggregation needs"):
+        from_dict(
+            ServerConfig,
+            {
+                **base,
+                "secagg": True,
+                "strategy": {"min_fit_clients": 1, "min_available_clients": 1},
+            },
+        )
+    with pytest.raises(ConfigError, match=r"unknown key secagg\.bitz"):
+        from_dict(ServerConfig, {**base, "secagg": {"bitz": 3}})
+    with pytest.raises(ConfigError, match=r"secagg\.unmask_timeout_s must be > 0"):
+        from_dict(ServerConfig, {**base, "secagg": {"unmask_timeout_s": 0}})
+    assert from_dict(ServerConfig, {**base, "secagg": True}).secagg.enabled
+    assert not from_dict(ServerConfig, base).secagg.enabled
+    # A strategy handed to the server directly is checked too.
+    config = from_dict(ServerConfig, {**base, "run_dir": str(tmp_path), "secagg": True})
+    with pytest.raises(ConfigError, match="'fedmedian' cannot run with secure aggregation"):
+        AggregationServer(config, insecure=True, task=TinyTask(), strategy=FedMedian())
+
+
+# -- real processes -------------------------------------------------------------------------------
+def _model(dep: Deployment) -> ModelState:
+    return ModelState(torch.load(dep.run_dir / "model.pt", weights_only=True))
+
+
+def _stop_all(*deps: Deployment) -> None:
+    """SIGTERM every process at once and let them exit; then close() only collects them
+    (and checks that no child of the test is left, so every deployment must be down)."""
+    for dep in deps:
+        for name in dep.procs.procs:
+            dep.procs.send_signal(name)
+    for dep in deps:
+        for proc in dep.procs.procs.values():
+            proc.wait(30)
+    for dep in deps:
+        dep.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Path) -> None:
+    sites = ["hospital-a", "hospital-b", "hospital-c"]
+    deps = {}
+    with contextlib.ExitStack() as stack:
+        # The same federation twice, side by side: with and without secure aggregation.
+        for secure in (True, False):
+            dep = stack.enter_context(
+                Deployment(
+                    tmp_path / ("secure" if secure else "plain"),
+                    "runtime_support:TinyTask",
+                    allowed_sites=sites,
+                    rounds=1,
+                    client=CLIENT,
+                    strategy={"min_fit_clients": 3, "min_available_clients": 3},
+                    secagg=SECAGG if secure else {"enabled": False},
+                )
+            )
+            dep.start_server()
+            for i, name in enumerate(sites):
+                dep.start_site(
+                    name,
+                    require_secagg=secure,
+                    data={"kind": "quantity", "partition": i, "num_partitions": 3, "seed": 1},
+                )
+            deps[secure] = dep
+        for dep in deps.values():
+            assert dep.wait_server(150) == 0, dep.log("server")
+        _stop_all(*deps.values())
+    for secure, dep in deps.items():
+        uploads = dep.audit("upload")
+        assert len(uploads) == 3 and all(r["masked"] is secure for r in uploads)
+    assert "secure aggregation on" in deps[True].log("server")
+    assert "mutual TLS" in deps[True].log("server")
+    assert all(r["num_examples"] == 0 for r in deps[True].audit("upload"))  # weights masked
+    # Same sites, same data, same initial model: one round differs only by quantization.
+    # Bound (fedtrain.secagg.quantize): n * step / total weight, step = 2 clip max_weight / L.
+    step = 2 * SECAGG["clip"] * SECAGG["max_weight"] / ((1 << BITS) - 1)
+    bound = 3 * step / 200  # TinyTask's 200 training examples, split among the 3 sites
+    secure_model, plain_model = _model(deps[True]), _model(deps[False])
+    for name, plain in plain_model.items():
+        diff = (secure_model[name].double() - plain.double()).abs().max().item()
+        assert diff <= bound + 1e-6, (name, diff, bound)
+    assert not secure_model.equal(plain_model)  # it really went through the quantizer
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_site_killed_after_sharing_keys_leaves_the_round_to_the_survivors(tmp_path: Path) -> None:
+    with Deployment(
+        tmp_path,
+        "runtime_support:TinyTask",
+        secure=False,
+        strategy={"min_fit_clients": 2, "min_available_clients": 2},
+        rounds=3,
+        client=CLIENT,
+        secagg=SECAGG,
+    ) as dep:
+        dep.start_server()
+        for name in ("a", "b", "c"):
+            dep.start_site(name, task_options={"delay_s": 2.0})
+
+        def keys_shared_by_all() -> list[dict[str, Any]]:
+            started = {
+                r["round"] for r in dep.audit("round_started") if len(r["participants"]) == 3
+            }
+            return [
+                r
+                for r in dep.audit("secagg_stage")
+                if r["stage"] == "SHARE_KEYS" and r["round"] in started and not r["missing"]
+            ]
+
+        shared = wait_for(keys_shared_by_all, 60, "a 3-site round past its key sharing")
+        dep.procs.stop("c", signal.SIGKILL)  # training takes it 2 s: killed before its upload
+        assert dep.wait_server(90) == 0, dep.log("server")
+        _stop_all(dep)
+    killed_in = shared[0]["round"]
+    metrics = {r["round"]: r for r in dep.metrics()}
+    assert sorted(metrics) == [1, 2, 3]
+    assert metrics[killed_in]["clients"] == 2 and metrics[killed_in]["dropped"] == ["c"]
+    assert metrics[killed_in]["attempts"] == 1  # finished with the survivors, no retry
+    stages = {
+        r["stage"]: r["missing"] for r in dep.audit("secagg_stage") if r["round"] == killed_in
+    }
+    assert stages["MASKED_INPUT"] == ["c"] and stages["UNMASK"] == []
+    assert all(metrics[r]["clients"] == 2 for r in range(killed_in + 1, 4))
+    assert "unmasked the sum of 2/3 sites" in dep.log("server")  # c's masks were removed
