@@ -43,10 +43,11 @@ def check_finite(name: str, values: torch.Tensor) -> None:
     """Refuse NaN/Inf before they can reach the accumulator.
 
     The common all-finite case is decided by one sum (NaN and Inf propagate through
-    it), which costs ~1/50 of an element-wise `isfinite`: the runtime checks every
-    chunk of every update, so at 100M+ parameters the full check dominated a round.
-    A non-finite sum may also be an overflow of huge but finite values, so only then
-    does the exact element-wise check decide (and count the bad values).
+    it), several times cheaper than an element-wise `isfinite` (measured ~7x on 4 MiB
+    chunks, ~50x on a whole 100M tensor): the runtime checks every chunk of every
+    update it folds, so at 100M+ parameters the element-wise check cost seconds per
+    round. A non-finite sum may also be an overflow of huge but finite values, so only
+    then does the exact element-wise check decide (and count the bad values).
     """
     if not values.dtype.is_floating_point:
         return
