@@ -56,7 +56,7 @@ def _sim_config(raw: dict, args: argparse.Namespace):
     from fedtrain.simulation import SimConfig
 
     raw = dict(raw)
-    for key in ("task", "rounds", "num_clients", "seed", "run_dir", "device"):
+    for key in ("task", "rounds", "num_clients", "seed", "run_dir", "device", "backend", "workers"):
         value = getattr(args, key, None)
         if value is not None:
             raw[key] = value
@@ -69,7 +69,7 @@ def run_sim(config, title: str) -> float | None:
     from fedtrain.simulation import run_simulation
 
     with RoundProgress(config.rounds, title) as progress:
-        result = run_simulation(config, on_round=progress.update)
+        result = run_simulation(config, on_round=progress.update, on_progress=progress.clients)
     acc = result.final_accuracy
     log.info("run directory: %s", Path(config.run_dir).resolve())
     return acc
@@ -224,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, help="override `seed`")
     sim.add_argument("--run-dir", dest="run_dir", help="override `run_dir`")
     sim.add_argument("--device", help="override `device`")
+    sim.add_argument("--backend", choices=["inline", "process", "ray"], help="override `backend`")
+    sim.add_argument("--workers", type=int, help="override `workers` (0: one per core)")
     sim.set_defaults(func=cmd_simulate)
 
     demo = sub.add_parser("demo", help="federate the digits CNN across 4 sites")

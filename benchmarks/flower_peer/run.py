@@ -41,7 +41,17 @@ import psutil
 
 from benchmarks.procstats import TreeRssSampler, tree_processes
 
-__all__ = ["APP_TEMPLATE", "flower_env", "free_ports", "run_flower_deployment"]
+__all__ = [
+    "APP_TEMPLATE",
+    "flower_env",
+    "free_ports",
+    "kill_all",
+    "read_results",
+    "run_flower_deployment",
+    "wait_for_port",
+    "wait_for_run",
+    "write_flwr_config",
+]
 
 APP_TEMPLATE = Path(__file__).resolve().parent / "app"
 """Flower App copied into each run's workdir (a FAB is built from that copy)."""
@@ -89,7 +99,7 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def _write_flwr_config(flwr_home: Path, port: int) -> None:
+def write_flwr_config(flwr_home: Path, port: int) -> None:
     """Point the ``bench`` connection of ``flwr run`` at our SuperLink."""
     flwr_home.mkdir(parents=True, exist_ok=True)
     (flwr_home / "config.toml").write_text(
@@ -104,7 +114,7 @@ def _write_run_config(path: Path, values: dict[str, Any]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+def wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
     """Block until something accepts TCP connections on ``port`` (or fail)."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -117,7 +127,7 @@ def _wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) ->
     raise TimeoutError(f"superlink did not listen on 127.0.0.1:{port} in time")
 
 
-def _read_results(path: Path) -> dict[str, Any] | None:
+def read_results(path: Path) -> dict[str, Any] | None:
     """Read the ServerApp's timing JSON; ``None`` while it does not exist yet."""
     try:
         return json.loads(path.read_text())
@@ -153,7 +163,7 @@ def _processes_with_flwr_home(flwr_home: Path) -> list[psutil.Process]:
     return found
 
 
-def _kill_all(
+def kill_all(
     popens: Iterable[subprocess.Popen[bytes]],
     extra: Iterable[psutil.Process],
     flwr_home: Path,
@@ -251,7 +261,7 @@ def run_flower_deployment(
     run_config_path = workdir / "run_config.toml"
 
     link_port, *node_ports = free_ports(1 + num_sites)
-    _write_flwr_config(flwr_home, link_port)
+    write_flwr_config(flwr_home, link_port)
     _write_run_config(
         run_config_path,
         {
@@ -299,7 +309,7 @@ def run_flower_deployment(
             ],
         )
         sampler = TreeRssSampler({"superlink": link.pid}).start()
-        _wait_for_port(link_port, deadline, link)
+        wait_for_port(link_port, deadline, link)
         nodes = []
         for i, port in enumerate(node_ports):
             node = spawn(
@@ -331,17 +341,17 @@ def run_flower_deployment(
                 str(run_config_path),
             ],
         )
-        error = _wait_for_run(cli, [link, *nodes], results_path, deadline, logs)
+        error = wait_for_run(cli, [link, *nodes], results_path, deadline, logs)
     except Exception as exc:  # report, never leak processes
         error = f"{type(exc).__name__}: {exc}"
     finally:
         if sampler is not None:
             sampler.stop()
-        leftovers = _kill_all(popens, sampler.seen() if sampler else [], flwr_home)
+        leftovers = kill_all(popens, sampler.seen() if sampler else [], flwr_home)
         for log_file in log_files:
             log_file.close()
 
-    results = _read_results(results_path) or {}
+    results = read_results(results_path) or {}
     s_per_round = [float(s) for s in results.get("s_per_round", [])]
     if error is None and not results.get("ok"):
         error = f"ServerApp reported failure: {results}"
@@ -369,7 +379,7 @@ def run_flower_deployment(
     }
 
 
-def _wait_for_run(
+def wait_for_run(
     cli: subprocess.Popen[bytes],
     daemons: list[subprocess.Popen[bytes]],
     results_path: Path,
@@ -383,7 +393,7 @@ def _wait_for_run(
     """
     cli_exit_error: str | None = None
     while time.monotonic() < deadline:
-        results = _read_results(results_path)
+        results = read_results(results_path)
         if results is not None and results.get("done"):
             # Let `flwr run --stream` finish on its own, briefly.
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -1,6 +1,7 @@
-"""Built-in tasks that need no download: their data ships inside scikit-learn."""
+"""Built-in tasks that need no download: scikit-learn's bundled sets, or generated data."""
 
 from fedtrain.examples.breast_cancer import BreastCancerTask
 from fedtrain.examples.digits import DigitsTask
+from fedtrain.examples.synthetic import SyntheticTask
 
-__all__ = ["BreastCancerTask", "DigitsTask"]
+__all__ = ["BreastCancerTask", "DigitsTask", "SyntheticTask"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -21,12 +22,18 @@ def describe(record: Mapping[str, Any]) -> str:
         if record.get(key) is not None:
             parts.append(f"{key} {fmt.format(record[key])}")
     parts.append(f"clients {record.get('clients', 0)}")
+    if record.get("clients_per_s") is not None:
+        parts.append(f"{record['clients_per_s']:.0f} clients/s")
     parts.append(f"{record.get('seconds', 0.0):.2f}s")
     return " | ".join(parts)
 
 
 class RoundProgress:
-    """`with RoundProgress(total) as p: p.update(record)` for each finished round."""
+    """`with RoundProgress(total) as p: p.update(record)` for each finished round.
+
+    `clients(round, done, total)` shows progress inside a round (simulation rounds of
+    thousands of clients take a while); in a terminal only, log lines stay per round.
+    """
 
     def __init__(self, total_rounds: int, title: str = "rounds", live: bool | None = None) -> None:
         self.total = total_rounds
@@ -34,6 +41,7 @@ class RoundProgress:
         self.live = sys.stderr.isatty() if live is None else live
         self._progress: Progress | None = None
         self._task: Any = None
+        self._round_started: tuple[int, float] | None = None
 
     def __enter__(self) -> RoundProgress:
         if self.live:
@@ -56,6 +64,18 @@ class RoundProgress:
             self._progress.update(self._task, completed=done, status=line)
         else:
             log.info(line)
+
+    def clients(self, server_round: int, done: int, total: int) -> None:
+        """Round `server_round` has `done` of its `total` clients trained."""
+        now = time.monotonic()
+        if self._round_started is None or self._round_started[0] != server_round:
+            self._round_started = (server_round, now)
+        if self._progress is None:
+            return
+        elapsed = now - self._round_started[1]
+        rate = f", {done / elapsed:.0f} clients/s" if elapsed > 0 and done else ""
+        status = f"round {server_round}: {done}/{total} clients{rate}"
+        self._progress.update(self._task, status=status)
 
     def __exit__(
         self,

@@ -7,7 +7,6 @@ dataclasses, so a strategy configured for a simulation works unchanged here.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,7 @@ from fedtrain.errors import ConfigError
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings, require_sum_only
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
-from fedtrain.strategy import STRATEGIES, Strategy, build_strategy
+from fedtrain.strategy import STRATEGIES, Strategy
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -169,8 +168,7 @@ class ServerConfig:
 
     def build_strategy(self) -> Strategy:
         """The strategy the `[strategy]` table names, with `[client]` as its round config."""
-        options = {k: v for k, v in dataclasses.asdict(self.strategy).items() if k != "name"}
-        return build_strategy(self.strategy.name, **options, client_config=self.client)
+        return self.strategy.build(self.client)
 
 
 @dataclass

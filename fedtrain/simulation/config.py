@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fedtrain.config import option, section
+from fedtrain.errors import ConfigError
+from fedtrain.strategy import Strategy, build_strategy
 
 
 @dataclass
@@ -25,6 +27,63 @@ class StrategyConfig:
     fraction_fit: float = option(1.0, "Fraction of available clients that train each round.")
     min_fit_clients: int = option(2, "At least this many clients train each round.")
     min_available_clients: int = option(2, "Rounds wait until this many clients exist.")
+    options: dict[str, Any] = option(
+        {},
+        "The algorithm's own options, e.g. proximal_mu (fedprox), server_lr / server_momentum "
+        "(fedavgm), server_lr / beta_1 / beta_2 / tau (fedadam, fedyogi, fedadagrad), beta "
+        "(fedtrimmedavg), num_malicious / num_to_keep (krum), noise_multiplier / clip_norm / "
+        "adaptive_clipping / delta (dpfedavg).",
+    )
+
+    def build(self, client_config: dict[str, Any]) -> Strategy:
+        """The configured strategy; a clear error naming a bad option."""
+        return build_strategy(
+            self.name,
+            fraction_fit=self.fraction_fit,
+            min_fit_clients=self.min_fit_clients,
+            min_available_clients=self.min_available_clients,
+            client_config=client_config,
+            **self.options,
+        )
+
+
+@dataclass
+class HeterogeneityConfig:
+    epochs_range: list[int] = option(
+        [],
+        "[min, max] local epochs; each client draws its own once (seeded), overriding "
+        "`client.epochs`, as slow and fast devices differ. []: all use `client.epochs`.",
+    )
+    dropout_rate: float = option(
+        0.0,
+        "Fraction of each round's chosen clients that never report (seeded; a straggler "
+        "past the deadline looks the same). The round counts while `min_fit_clients` report.",
+    )
+
+    def __post_init__(self) -> None:
+        r = self.epochs_range
+        if r and (len(r) != 2 or not 1 <= r[0] <= r[1]):
+            raise ConfigError(
+                f"heterogeneity.epochs_range = {r!r} should be [] or [min, max] "
+                "with 1 <= min <= max"
+            )
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ConfigError(
+                f"heterogeneity.dropout_rate = {self.dropout_rate} should be in [0, 1)"
+            )
+
+
+@dataclass
+class RayConfig:
+    address: str = option(
+        "",
+        "Ray cluster to join: 'auto' or 'HEAD_IP:6379' (from `ray start --head`). "
+        "Empty: a private local Ray instance, started and stopped with the run.",
+    )
+    cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each worker actor.")
+    gpus_per_worker: float = option(
+        0.0, "GPUs Ray reserves for each worker actor (with device = 'cuda')."
+    )
 
 
 @dataclass
@@ -34,13 +93,31 @@ class SimConfig:
     rounds: int = option(10, "Number of federated rounds.")
     num_clients: int = option(10, "Number of virtual clients the training set is split into.")
     seed: int = option(0, "Seed of every stochastic choice (model init, partition, sampling).")
-    backend: Literal["inline"] = option("inline", "Where clients run: `inline` (one process).")
+    backend: Literal["inline", "process", "ray"] = option(
+        "inline",
+        "Where clients run: `inline` (this process), `process` (a pool of worker "
+        "processes on this machine) or `ray` (worker actors on a Ray cluster).",
+    )
+    workers: int = option(
+        0,
+        "Workers training clients in parallel, each folding its clients into one partial "
+        "sum; 0: one per CPU core (of the cluster for `ray`). Same seed and workers: the "
+        "same model bit for bit on every backend (`inline` runs the shares in turn).",
+    )
     run_dir: str = option("runs/simulation", "Directory for config, metrics and models.")
     eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
+    heterogeneity: HeterogeneityConfig = section(
+        HeterogeneityConfig, "Simulated device differences and dropouts."
+    )
+    ray: RayConfig = section(RayConfig, "The `ray` backend's cluster and resources.")
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
     )
     device: str = option("cpu", "Device virtual clients train on ('cpu', 'cuda', 'cuda:1').")
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers = {self.workers} should be >= 0 (0: one per CPU core)")

@@ -1,9 +1,10 @@
 """The simulation's round loop: the same Task and Strategy code as a deployment.
 
-Virtual clients hold index partitions of the task's training set. Each round the
-strategy picks clients, each trains from the current global model, and its delta is
-folded into the strategy's streaming aggregator at once, so memory stays O(model)
-whatever the number of clients.
+One loop serves every backend. Each round the driver plans (the strategy samples
+clients; heterogeneity sets their epochs and drops some; clients are assigned to
+workers), the backend trains the shares, and the results are folded into the
+strategy's streaming aggregator in a fixed order, so memory stays O(model) per
+worker whatever the number of clients and the model is the same on every backend.
 """
 
 from __future__ import annotations
@@ -11,29 +12,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset, Subset
+from torch import nn
+from torch.utils.data import Dataset
 
-from fedtrain.partition import partition
 from fedtrain.run_dir import RunDir
+from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
-from fedtrain.strategy import RoundConfig, Strategy, build_strategy, compute_delta
-from fedtrain.task import (
-    EvalResult,
-    Task,
-    TaskContext,
-    TrainResult,
-    load_task,
-    model_for,
-    resolve_device,
-)
+from fedtrain.simulation.fold import RoundFold
+from fedtrain.simulation.heterogeneity import Heterogeneity
+from fedtrain.simulation.plan import RoundPlan, plan_round
+from fedtrain.simulation.population import ClientPopulation
+from fedtrain.simulation.worker import WorkerSetup
+from fedtrain.strategy import Strategy, WeightedSum
+from fedtrain.task import Task, TaskContext, load_task, model_for, resolve_device
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
+
+#: on_progress(round, clients done, clients training this round)
+ProgressCallback = Callable[[int, int, int], None]
 
 
 @dataclass
@@ -49,67 +51,9 @@ class SimulationResult:
         return evaluated[-1]["accuracy"] if evaluated else None
 
 
-class InlineBackend:
-    """Runs the chosen clients one after another in this process (deterministic).
-
-    One model object is reused for every client: loading the global weights into it
-    is cheaper than building a model per client.
-    """
-
-    def __init__(self, task: Task, seed: int, device: str) -> None:
-        self.task = task
-        self.seed = seed
-        self.device = resolve_device(device)
-        self.model = model_for(task, seed).to(self.device)
-
-    def train_clients(
-        self,
-        global_state: ModelState,
-        plan: dict[str, RoundConfig],
-        data: dict[str, Dataset],
-    ) -> Iterator[tuple[str, ModelState, TrainResult]]:
-        for client_id, config in plan.items():
-            global_state.load_into(self.model)
-            context = TaskContext(device=self.device, client_id=client_id, seed=self.seed)
-            result = self.task.train(self.model, data[client_id], config, context)
-            local = ModelState.from_module(self.model)
-            yield client_id, compute_delta(local, global_state), result
-
-    def evaluate(self, state: ModelState, data: Dataset, config: RoundConfig) -> EvalResult:
-        state.load_into(self.model)
-        context = TaskContext(device=self.device, client_id="server", seed=self.seed)
-        return self.task.evaluate(self.model, data, config, context)
-
-
-def client_datasets(task: Task, train: Dataset, config: SimConfig) -> dict[str, Dataset]:
-    """Each virtual client's Subset of the training set, per the partition config."""
-    labels = (
-        task.labels(train).numpy()
-        if config.partition.kind in ("dirichlet", "shards")
-        else (
-            np.zeros(len(train))  # type: ignore[arg-type]
-        )
-    )
-    parts = partition(
-        config.partition.kind,
-        labels,
-        config.num_clients,
-        seed=config.seed,
-        alpha=config.partition.alpha,
-        labels_per_client=config.partition.labels_per_client,
-    )
-    width = len(str(config.num_clients - 1))
-    return {f"client-{i:0{width}d}": Subset(train, p.tolist()) for i, p in enumerate(parts)}
-
-
 def build_from_config(config: SimConfig) -> tuple[Task, Strategy]:
     task = load_task(config.task, config.task_options)
-    strategy = build_strategy(
-        config.strategy.name,
-        **{k: v for k, v in dataclasses.asdict(config.strategy).items() if k != "name"},
-        client_config=config.client,
-    )
-    return task, strategy
+    return task, config.strategy.build(config.client)
 
 
 def run_simulation(
@@ -118,46 +62,130 @@ def run_simulation(
     task: Task | None = None,
     strategy: Strategy | None = None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> SimulationResult:
-    """Run `config.rounds` rounds and write the run directory; returns the final model."""
+    """Run `config.rounds` rounds and write the run directory; returns the final model.
+
+    `on_round` gets each round's metrics record; `on_progress` is called while a
+    round trains (a few times a second at most per worker).
+    """
     if task is None or strategy is None:
         built_task, built_strategy = build_from_config(config)
         task, strategy = task or built_task, strategy or built_strategy
     run_dir = RunDir(config.run_dir)
     run_dir.write_config(dataclasses.asdict(config))
     train, test = task.datasets()
-    data = client_datasets(task, train, config)
-    backend = InlineBackend(task, config.seed, config.device)
+    population = ClientPopulation.build(task, train, config)
+    heterogeneity = Heterogeneity(config.heterogeneity, len(population), config.seed)
+    device = resolve_device(config.device)
+    model = model_for(task, config.seed).to(device)  # initial weights, then evaluation
+    global_state = ModelState.from_module(model)
+    setup = WorkerSetup(task, config, global_state.specs)
     rng = np.random.default_rng(config.seed)
-    global_state = ModelState.from_module(backend.model)
     result = SimulationResult(global_state)
-    for server_round in range(1, config.rounds + 1):
-        start = time.perf_counter()
-        plan = strategy.configure_round(server_round, list(data), rng)
-        aggregate = strategy.begin_round(server_round, global_state)
-        train_metrics = []
-        for _client, delta, res in backend.train_clients(global_state, plan, data):
-            aggregate.add(delta, float(res.num_examples))
-            train_metrics.append((res.num_examples, res.metrics))
-        global_state = strategy.finalize_round(server_round, global_state, aggregate)
-        record: dict[str, Any] = {
-            "round": server_round,
-            "clients": len(plan),
-            "bytes": 2 * global_state.nbytes * len(plan),  # what would cross the wire
-            **strategy.aggregate_metrics(train_metrics),
-            "loss": None,
-            "accuracy": None,
-        }
-        if test is not None and (
-            server_round % config.eval_every == 0 or server_round == config.rounds
-        ):
-            ev = backend.evaluate(global_state, test, config.client)
-            record["loss"], record["accuracy"] = ev.loss, ev.metrics.get("accuracy")
-        record["seconds"] = time.perf_counter() - start
-        run_dir.log_metrics(record)
-        result.history.append(record)
-        if on_round is not None:
-            on_round(record)
+    with open_backend(config, setup, (train, population)) as backend:
+        log.info(
+            "simulating %d clients on the %s backend with %d workers",
+            len(population),
+            config.backend,
+            backend.num_workers,
+        )
+        for server_round in range(1, config.rounds + 1):
+            start = time.perf_counter()
+            plan = plan_round(
+                server_round,
+                strategy,
+                population,
+                heterogeneity,
+                rng,
+                backend.num_workers,
+                fold_in_workers=strategy.needs_only_sum,
+            )
+            global_state, record = train_round(backend, strategy, plan, global_state, on_progress)
+            record["loss"], record["accuracy"] = None, None
+            if test is not None and (
+                server_round % config.eval_every == 0 or server_round == config.rounds
+            ):
+                record["loss"], record["accuracy"] = evaluate(
+                    task, model, global_state, test, config
+                )
+            record["seconds"] = time.perf_counter() - start
+            run_dir.log_metrics(record)
+            result.history.append(record)
+            if on_round is not None:
+                on_round(record)
     run_dir.save_model(global_state)
     result.model = global_state
     return result
+
+
+def train_round(
+    backend: Backend,
+    strategy: Strategy,
+    plan: RoundPlan,
+    global_state: ModelState,
+    on_progress: ProgressCallback | None,
+) -> tuple[ModelState, dict[str, Any]]:
+    """Train one planned round and aggregate it; returns the new model and its record.
+
+    A round where fewer than `strategy.min_results` updates count (dropouts,
+    rejected updates) changes nothing, as in a deployment: the model stays.
+    """
+    start = time.perf_counter()
+    aggregate = strategy.begin_round(plan.server_round, global_state)
+    if plan.fold_in_workers and not isinstance(aggregate, WeightedSum):
+        raise TypeError(
+            f"{type(strategy).__name__} says needs_only_sum but its begin_round returns a "
+            f"{type(aggregate).__name__}, not a WeightedSum that partial sums can merge into"
+        )
+    fold = RoundFold(aggregate, plan)
+    training = len(plan.training)
+    for event in backend.run_round(plan, global_state):
+        fold.add(event)
+        if on_progress is not None:
+            on_progress(plan.server_round, fold.clients_done, training)
+    train_seconds = time.perf_counter() - start
+    reported = len(fold.results)
+    needed = strategy.min_results(len(plan.selected))
+    aggregated = reported > 0 and reported >= needed
+    if aggregated:
+        global_state = strategy.finalize_round(plan.server_round, global_state, aggregate)
+    else:
+        log.warning(
+            "round %d: %d of %d chosen clients reported (%d dropped, %d rejected), %d needed; "
+            "the global model is unchanged",
+            plan.server_round,
+            reported,
+            len(plan.selected),
+            len(plan.dropped),
+            len(fold.rejected),
+            needed,
+        )
+    uploads = reported + len(fold.rejected)
+    record: dict[str, Any] = {
+        "round": plan.server_round,
+        "clients": len(plan.selected),
+        "reported": reported,
+        "dropped": len(plan.dropped),
+        "rejected": len(fold.rejected),
+        "aggregated": aggregated,
+        # what would cross the wire: a download per chosen client, an upload per report
+        "bytes": global_state.nbytes * (len(plan.selected) + uploads),
+        "train_seconds": train_seconds,
+        "clients_per_s": training / train_seconds if train_seconds > 0 else None,
+        **strategy.aggregate_metrics(fold.train_metrics()),
+        **(strategy.round_metrics() if aggregated else {}),
+    }
+    return global_state, record
+
+
+def evaluate(
+    task: Task, model: nn.Module, state: ModelState, test: Dataset, config: SimConfig
+) -> tuple[float, float | None]:
+    """(loss, accuracy) of `state` on the test set, in the driver's model object."""
+    state.load_into(model)
+    context = TaskContext(
+        device=resolve_device(config.device), client_id="server", seed=config.seed
+    )
+    result = task.evaluate(model, test, config.client, context)
+    return result.loss, result.metrics.get("accuracy")

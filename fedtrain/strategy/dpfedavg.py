@@ -108,7 +108,9 @@ class DPFedAvg(FedAvg):
         std = self.noise_multiplier * aggregate.clip_norm
         mean = {}
         for name, total in aggregate.take_sums().items():
-            if std > 0 and total.is_floating_point():
+            # noise only what the model holds as floats: integer buffers (step counters)
+            # accumulate in float64 but carry no private signal worth noising
+            if std > 0 and global_state[name].is_floating_point():
                 noise = gaussian(total.numel(), std).reshape(total.shape)
                 total.add_(torch.from_numpy(noise).to(total.dtype))
             mean[name] = total.div_(selected)

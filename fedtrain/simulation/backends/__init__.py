@@ -1,0 +1,51 @@
+"""Where virtual clients run. Every backend trains the same shares with the same
+`ClientRunner` and yields the same events; only the transport differs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from torch.utils.data import Dataset
+
+from fedtrain.simulation.backends.cpus import machine_cpus
+from fedtrain.simulation.config import SimConfig
+from fedtrain.simulation.events import WorkerEvent
+from fedtrain.simulation.plan import RoundPlan
+from fedtrain.simulation.population import ClientPopulation
+from fedtrain.simulation.worker import WorkerSetup
+from fedtrain.tensors import ModelState
+
+
+class Backend(Protocol):
+    """A context manager that owns its workers; `num_workers` is final once entered."""
+
+    num_workers: int
+
+    def __enter__(self) -> Backend: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def run_round(self, plan: RoundPlan, global_state: ModelState) -> Iterator[WorkerEvent]:
+        """Train the plan's shares from `global_state`; events in any order across workers."""
+        ...
+
+
+def open_backend(
+    config: SimConfig,
+    setup: WorkerSetup,
+    data: tuple[Dataset, ClientPopulation] | None = None,
+) -> Backend:
+    """The backend `config.backend` names; `data` lets the inline one reuse the driver's."""
+    workers = config.workers or machine_cpus()
+    if config.backend == "inline":
+        from fedtrain.simulation.backends.inline import InlineBackend
+
+        return InlineBackend(setup, workers, data)
+    if config.backend == "process":
+        from fedtrain.simulation.backends.process_pool import ProcessPoolBackend
+
+        return ProcessPoolBackend(setup, workers, cpus=machine_cpus())
+    from fedtrain.simulation.backends.ray_actors import RayActorsBackend
+
+    return RayActorsBackend(setup, config.workers, config.ray)

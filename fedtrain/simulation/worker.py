@@ -1,0 +1,135 @@
+"""The unit every backend replicates: one process's worth of virtual clients.
+
+A `ClientRunner` builds the task, its data, the client partition and one model
+once, then trains the clients of each share it is handed one after another,
+loading the global model into the same model object each time. Inline it runs in
+the driver; the process and Ray backends run one per worker. Keeping the training
+path in one place is what makes the backends agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import Dataset
+
+from fedtrain.errors import UpdateRejected
+from fedtrain.simulation.client_state import ClientStateStore
+from fedtrain.simulation.config import SimConfig
+from fedtrain.simulation.events import ClientResult, ClientsDone, ShareDone, WorkerEvent
+from fedtrain.simulation.plan import ClientWork
+from fedtrain.simulation.population import ClientPopulation
+from fedtrain.strategy import RoundConfig, WeightedSum, compute_delta
+from fedtrain.task import Task, TaskContext, model_for, resolve_device
+from fedtrain.tensors import ModelState, TensorSpec
+
+log = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker needs to build its clients once: small and picklable (no data)."""
+
+    task: Task
+    config: SimConfig
+    specs: tuple[TensorSpec, ...]
+    torch_threads: int = 0  # 0: leave torch's default; workers sharing a machine set it
+
+
+class ClientRunner:
+    """Trains virtual clients in turn; owns their data and, if any, their state."""
+
+    def __init__(
+        self, setup: WorkerSetup, data: tuple[Dataset, ClientPopulation] | None = None
+    ) -> None:
+        """`data`: the training set and population when the caller has them already
+        (the inline backend shares the driver's); otherwise they are built here."""
+        if setup.torch_threads > 0:
+            torch.set_num_threads(setup.torch_threads)
+        self.task = setup.task
+        self.specs = setup.specs
+        self.seed = setup.config.seed
+        self.device = resolve_device(setup.config.device)
+        if data is None:
+            train, _ = self.task.datasets()
+            data = (train, ClientPopulation.build(self.task, train, setup.config))
+        self.train_data, self.population = data
+        self.model = model_for(self.task, self.seed).to(self.device)
+        self.states = ClientStateStore()
+        self.current_client: str | None = None  # for error reports
+        warm_up_torch()
+
+    def run_share(
+        self,
+        worker: int,
+        share: tuple[ClientWork, ...],
+        global_state: ModelState,
+        fold: bool,
+    ) -> Iterator[WorkerEvent]:
+        """Train `share` from `global_state`: progress ticks, results, then `ShareDone`.
+
+        With `fold`, updates go into one partial sum in client order and the results
+        ride on `ShareDone`; otherwise each result carries its update.
+        """
+        partial = WeightedSum(self.specs) if fold else None
+        folded: list[ClientResult] = []
+        last_tick = time.monotonic()
+        for done, (client_id, config) in enumerate(share, 1):
+            result = self.train_client(client_id, config, global_state)
+            if partial is None:
+                yield result
+            else:
+                folded.append(fold_into(partial, result))
+            now = time.monotonic()
+            if now - last_tick >= PROGRESS_INTERVAL_S:
+                last_tick = now
+                yield ClientsDone(worker, done)
+        if partial is None:
+            yield ShareDone(worker)
+        else:
+            yield ShareDone(
+                worker, tuple(folded), dict(partial.sums), partial.total_weight, partial.count
+            )
+
+    def train_client(
+        self, client_id: str, config: RoundConfig, global_state: ModelState
+    ) -> ClientResult:
+        """One client's local training from the global model; returns its update."""
+        self.current_client = client_id
+        global_state.load_into(self.model)
+        state = self.states.get(client_id)
+        context = TaskContext(
+            device=self.device, client_id=client_id, seed=self.seed, client_state=state
+        )
+        data = self.population.dataset(self.train_data, client_id)
+        result = self.task.train(self.model, data, config, context)
+        self.states.put(client_id, state)
+        delta = compute_delta(ModelState.from_module(self.model), global_state)
+        return ClientResult(client_id, result.num_examples, dict(result.metrics), delta)
+
+
+def fold_into(partial: WeightedSum, result: ClientResult) -> ClientResult:
+    """Add a result's update to `partial`; returns the result without its update.
+
+    A rejected update (NaN/Inf after a diverged step, say) is left out of the sum
+    and reported, as the deployment's server does, instead of failing the run.
+    """
+    assert result.delta is not None
+    try:
+        partial.add(result.delta, float(result.num_examples))
+    except UpdateRejected as exc:
+        log.warning("update of %s rejected: %s", result.client_id, exc)
+        return ClientResult(result.client_id, result.num_examples, result.metrics, None, str(exc))
+    return ClientResult(result.client_id, result.num_examples, result.metrics)
+
+
+def warm_up_torch() -> None:
+    """Pay torch's lazy imports now (the first optimizer imports ~800 modules, ~1.5 s),
+    so that start-up, not the first round, carries that cost and round times compare."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)

@@ -1,0 +1,58 @@
+"""Progress inside a round, and `fedtrain simulate` on the process backend."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fedtrain.observability.progress import RoundProgress, describe
+from fedtrain.simulation import run_simulation
+
+
+def test_progress_reaches_every_training_client_each_round(make_config):
+    calls: list[tuple[int, int, int]] = []
+    config = make_config(heterogeneity={"dropout_rate": 0.25})
+    run_simulation(config, on_progress=lambda *call: calls.append(call))
+    last = {r: (done, total) for r, done, total in calls}
+    assert last == {1: (15, 15), 2: (15, 15), 3: (15, 15)}
+    assert all(0 <= done <= total for _, done, total in calls)
+
+
+def test_round_progress_shows_clients_and_rate():
+    with RoundProgress(2, "sim", live=True) as progress:
+        progress.clients(1, 0, 100)
+        progress.clients(1, 50, 100)
+        progress.update({"round": 1, "clients": 100, "clients_per_s": 1234.5, "seconds": 0.1})
+    line = describe({"round": 1, "clients": 100, "clients_per_s": 1234.5, "seconds": 0.1})
+    assert "1234 clients/s" in line or "1235 clients/s" in line
+
+
+@pytest.mark.integration
+def test_simulate_command_on_the_process_backend(tmp_path):
+    sim = tmp_path / "sim.toml"
+    sim.write_text(
+        'task = "fedtrain.examples:SyntheticTask"\n'
+        "rounds = 2\nnum_clients = 50\n"
+        "[task_options]\nnum_train = 1000\n"
+        "[strategy]\nfraction_fit = 0.5\n"
+    )
+    run = tmp_path / "run"
+    command = ["simulate", "--config", str(sim), "--backend", "process", "--workers", "2"]
+    out = subprocess.run(
+        [sys.executable, "-m", "fedtrain.cli", *command, "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "final accuracy:" in out.stdout
+    assert "clients/s" in out.stderr  # the per-round log line
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = [(r["round"], r["clients"], r["reported"]) for r in records]
+    assert summary == [(1, 25, 25), (2, 25, 25)]
+    assert json.loads((run / "config.json").read_text())["backend"] == "process"
+    assert (run / "model.pt").stat().st_size > 0
