@@ -27,13 +27,13 @@ import threading
 import traceback
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
-from types import TracebackType
 from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as mp
 
 from fedtrain.errors import ConfigError, SimulationError
+from fedtrain.simulation.backends.pool import WorkerPool
 from fedtrain.simulation.events import ShareDone, WorkerEvent, WorkerFailed
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.transport import EventTransport
@@ -48,7 +48,7 @@ KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 Share = tuple[int, tuple[ClientWork, ...], bool]  # (round, clients, fold in worker)
 
 
-class ProcessPoolBackend:
+class ProcessPoolBackend(WorkerPool):
     """`num_workers` spawned worker processes, started on `__enter__`, gone after `__exit__`."""
 
     def __init__(self, setup: WorkerSetup, num_workers: int, cpus: int | None = None) -> None:
@@ -67,22 +67,6 @@ class ProcessPoolBackend:
         self._busy = False  # workers mid-work would not read a polite stop request
 
     # -- lifetime -----------------------------------------------------------------------
-    def __enter__(self) -> ProcessPoolBackend:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def _start(self) -> None:
         self._busy = True
         context = mp.get_context("spawn")

@@ -20,13 +20,13 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from fedtrain.errors import ConfigError, SimulationError
 from fedtrain.simulation.backends.cpus import machine_cpus
+from fedtrain.simulation.backends.pool import WorkerPool
 from fedtrain.simulation.config import RayConfig
 from fedtrain.simulation.events import WorkerEvent
 from fedtrain.simulation.plan import ClientWork, RoundPlan
@@ -67,7 +67,7 @@ class RayWorker:
             yield self.transport.detach(event)
 
 
-class RayActorsBackend:
+class RayActorsBackend(WorkerPool):
     """`num_workers` actors (0: one per `cpus_per_worker` CPUs of the cluster)."""
 
     def __init__(self, setup: WorkerSetup, num_workers: int, config: RayConfig) -> None:
@@ -78,22 +78,6 @@ class RayActorsBackend:
         self._ray: Any = None
         self._owns_ray = False
         self._actors: list[Any] = []
-
-    def __enter__(self) -> RayActorsBackend:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _start(self) -> None:
         ray = self._ray = import_ray()
