@@ -62,22 +62,32 @@ def _part(encoded: ModelState, spec: TensorSpec, part: str) -> torch.Tensor:
     return encoded[key]
 
 
-class CastCodec(Codec):
+class PartsCodec(Codec):
+    """Encodes each non-empty floating tensor into named parts; others travel as they are."""
+
+    def encode(self, delta: ModelState) -> ModelState:
+        out: dict[str, torch.Tensor] = {}
+        for n, t in delta.items():
+            if not t.is_floating_point() or t.numel() == 0:
+                out[n] = t
+                continue
+            for part, value in self.encode_tensor(n, t).items():
+                out[f"{n}{SEP}{part}"] = value
+        return ModelState(out)
+
+    def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class CastCodec(PartsCodec):
     """Floating tensors travel in a narrower float dtype."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def encode(self, delta: ModelState) -> ModelState:
-        return ModelState(
-            {
-                (f"{n}{SEP}{self.name}" if t.is_floating_point() else n): (
-                    t.to(self.dtype) if t.is_floating_point() else t
-                )
-                for n, t in delta.items()
-            }
-        )
+    def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {self.name: tensor.to(self.dtype)}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         t = _part(encoded, spec, self.name)
@@ -86,7 +96,7 @@ class CastCodec(Codec):
         return t.to(torch_dtype(spec.dtype))
 
 
-class Int8Codec(Codec):
+class Int8Codec(PartsCodec):
     """Per-block min/scale linear quantization into uint8."""
 
     name = "int8"
@@ -96,23 +106,15 @@ class Int8Codec(Codec):
             raise ConfigError(f"compression.block must be >= 1, got {block}")
         self.block = block
 
-    def encode(self, delta: ModelState) -> ModelState:
-        out: dict[str, torch.Tensor] = {}
-        for n, t in delta.items():
-            if not t.is_floating_point() or t.numel() == 0:
-                out[n] = t
-                continue
-            flat = t.reshape(-1).to(torch.float32)
-            pad = (-flat.numel()) % self.block
-            blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, self.block)
-            lo = blocks.min(dim=1).values
-            hi = blocks.max(dim=1).values
-            scale = ((hi - lo) / 255.0).clamp_min(torch.finfo(torch.float32).tiny)
-            q = ((blocks - lo[:, None]) / scale[:, None]).round().clamp(0, 255).to(torch.uint8)
-            out[f"{n}{SEP}q"] = q.reshape(-1)[: flat.numel()].contiguous()
-            out[f"{n}{SEP}lo"] = lo
-            out[f"{n}{SEP}scale"] = scale
-        return ModelState(out)
+    def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        flat = tensor.reshape(-1).to(torch.float32)
+        pad = (-flat.numel()) % self.block
+        blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, self.block)
+        lo = blocks.min(dim=1).values
+        hi = blocks.max(dim=1).values
+        scale = ((hi - lo) / 255.0).clamp_min(torch.finfo(torch.float32).tiny)
+        q = ((blocks - lo[:, None]) / scale[:, None]).round().clamp(0, 255).to(torch.uint8)
+        return {"q": q.reshape(-1)[: flat.numel()].contiguous(), "lo": lo, "scale": scale}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         q, lo, scale = (_part(encoded, spec, p) for p in ("q", "lo", "scale"))
@@ -127,7 +129,7 @@ class Int8Codec(Codec):
         return values.reshape(spec.shape).to(torch_dtype(spec.dtype))
 
 
-class TopKCodec(Codec):
+class TopKCodec(PartsCodec):
     """The `fraction` largest-magnitude entries per tensor, with site-side error feedback."""
 
     name = "topk"
@@ -139,25 +141,18 @@ class TopKCodec(Codec):
         self.error_feedback = error_feedback
         self.residual: dict[str, torch.Tensor] = {}  # kept at the site, never sent
 
-    def encode(self, delta: ModelState) -> ModelState:
-        out: dict[str, torch.Tensor] = {}
-        for n, t in delta.items():
-            if not t.is_floating_point() or t.numel() == 0:
-                out[n] = t
-                continue
-            flat = t.reshape(-1).to(torch.float32)
-            if self.error_feedback and n in self.residual:
-                flat = flat + self.residual[n]
-            k = max(1, int(self.fraction * flat.numel()))
-            idx = flat.abs().topk(k, sorted=False).indices.sort().values
-            values = flat[idx]
-            if self.error_feedback:
-                rest = flat.clone()
-                rest[idx] = 0.0
-                self.residual[n] = rest
-            out[f"{n}{SEP}idx"] = idx.to(torch.int32)
-            out[f"{n}{SEP}val"] = values.to(t.dtype)
-        return ModelState(out)
+    def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        flat = tensor.reshape(-1).to(torch.float32)
+        if self.error_feedback and name in self.residual:
+            flat = flat + self.residual[name]
+        k = max(1, int(self.fraction * flat.numel()))
+        idx = flat.abs().topk(k, sorted=False).indices.sort().values
+        values = flat[idx]
+        if self.error_feedback:
+            rest = flat.clone()
+            rest[idx] = 0.0
+            self.residual[name] = rest
+        return {"idx": idx.to(torch.int32), "val": values.to(tensor.dtype)}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         idx, val = _part(encoded, spec, "idx"), _part(encoded, spec, "val")
