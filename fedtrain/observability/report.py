@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import html
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,62 +40,60 @@ def _pyplot():
     return plt
 
 
-def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+@contextmanager
+def _round_figure(out: Path, title: str, height: float = 3.5) -> Iterator[Any]:
+    """An axes with rounds on x; titled, laid out, saved to `out` and closed on exit."""
     plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, height), dpi=110)
+    try:
+        yield ax
+        ax.set_xlabel("round")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(out)
+    finally:
+        plt.close(fig)
+
+
+def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
     rounds_acc, acc = _series(metrics, "accuracy")
     rounds_loss, loss = _series(metrics, "loss")
     if not acc and not loss:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if acc:
-        ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
-        ax.set_ylabel("accuracy", color="tab:blue")
-        ax.set_ylim(0, 1.02)
-    if loss:
-        ax2 = ax.twinx()
-        ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
-        ax2.set_ylabel("loss", color="tab:orange")
-    ax.set_xlabel("round")
-    ax.set_title("Global model on the test set")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    with _round_figure(out, "Global model on the test set", height=4) as ax:
+        if acc:
+            ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
+            ax.set_ylabel("accuracy", color="tab:blue")
+            ax.set_ylim(0, 1.02)
+        if loss:
+            ax2 = ax.twinx()
+            ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
+            ax2.set_ylabel("loss", color="tab:orange")
+        ax.grid(alpha=0.3)
     return out
 
 
 def plot_bytes(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
-    plt = _pyplot()
     rounds, values = _series(metrics, "bytes")
     if not values:
         return None
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
-    ax.bar(rounds, [v / 2**20 for v in values], color="tab:green")
-    ax.set_xlabel("round")
-    ax.set_ylabel("MiB on the wire")
-    ax.set_title("Bytes per round (model downloads + update uploads)")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    with _round_figure(out, "Bytes per round (model downloads + update uploads)") as ax:
+        ax.bar(rounds, [v / 2**20 for v in values], color="tab:green")
+        ax.set_ylabel("MiB on the wire")
+        ax.grid(axis="y", alpha=0.3)
     return out
 
 
 def plot_epsilon(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
-    plt = _pyplot()
     rounds, eps = _series(metrics, "epsilon")
     if not eps:
         return None
     delta = next((m["delta"] for m in metrics if m.get("delta") is not None), None)
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=110)
-    ax.plot(rounds, eps, marker="o", color="tab:red")
-    ax.set_xlabel("round")
-    ax.set_ylabel("epsilon")
-    ax.set_title(f"Privacy spent (delta = {delta:g})" if delta else "Privacy spent")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    title = f"Privacy spent (delta = {delta:g})" if delta else "Privacy spent"
+    with _round_figure(out, title) as ax:
+        ax.plot(rounds, eps, marker="o", color="tab:red")
+        ax.set_ylabel("epsilon")
+        ax.grid(alpha=0.3)
     return out
 
 
@@ -115,23 +114,19 @@ def plot_participation(audit: Sequence[dict[str, Any]], out: Path) -> Path | Non
     table = participation(audit)
     if not table:
         return None
-    plt = _pyplot()
+    _pyplot()  # selects the file-only backend before matplotlib.colors loads
     from matplotlib.colors import ListedColormap
 
     sites = sorted(table)
     last = max(r for rounds in table.values() for r in rounds)
     codes = {"absent": 0, "trained": 1, "dropped": 2, "failed": 3}
     grid = [[codes[table[s].get(r, "absent")] for r in range(1, last + 1)] for s in sites]
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.35 * len(sites)), dpi=110)
     cmap = ListedColormap(["#eeeeee", "tab:green", "tab:orange", "tab:red"])
-    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=3, interpolation="nearest")
-    ax.set_yticks(range(len(sites)), sites)
-    ax.set_xticks(range(last), [str(r) for r in range(1, last + 1)])
-    ax.set_xlabel("round")
-    ax.set_title("Participation: green trained, orange dropped, red failed, grey absent")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    title = "Participation: green trained, orange dropped, red failed, grey absent"
+    with _round_figure(out, title, height=1.2 + 0.35 * len(sites)) as ax:
+        ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=3, interpolation="nearest")
+        ax.set_yticks(range(len(sites)), sites)
+        ax.set_xticks(range(last), [str(r) for r in range(1, last + 1)])
     return out
 
 
