@@ -48,7 +48,8 @@ from typing import IO, Any
 
 import psutil
 
-from benchmarks.procstats import TreeRssSampler, tree_processes
+from benchmarks import procstats
+from benchmarks.procstats import TreeRssSampler, processes_with_env
 
 __all__ = [
     "MARKER_ENV",
@@ -147,74 +148,15 @@ def _write_configs(
 
 
 def marked_processes(marker: str) -> list[psutil.Process]:
-    """Every live process (not this one) whose environment carries ``MARKER_ENV=marker``.
-
-    Children inherit the environment, so this finds anything a run started even if it
-    left its process group or was re-parented to init; other users' processes (which
-    we may not read) are skipped.
-    """
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(MARKER_ENV) == marker and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+    """Every live process whose environment carries ``MARKER_ENV=marker``."""
+    return processes_with_env(MARKER_ENV, marker)
 
 
 def stop_processes(
     popens: Iterable[subprocess.Popen[bytes]], extra: Iterable[psutil.Process], marker: str
 ) -> list[str]:
-    """SIGTERM (then SIGKILL) every process group, seen process and marked process.
-
-    SIGTERM first so fedtrain's daemons leave cleanly (the CLI turns it into stop());
-    returns descriptions of anything still alive afterwards (should be empty).
-    """
-    popens = list(popens)
-    targets: dict[int, psutil.Process] = {}
-    for popen in popens:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            for proc in tree_processes(psutil.Process(popen.pid)):
-                targets[proc.pid] = proc
-    for proc in [*extra, *marked_processes(marker)]:
-        targets.setdefault(proc.pid, proc)
-
-    def signal_all(sig: signal.Signals) -> None:
-        for popen in popens:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, sig)  # start_new_session: pid is the group id
-        for proc in targets.values():
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                proc.send_signal(sig)  # psutil refuses a PID reused by someone else
-
-    signal_all(signal.SIGTERM)
-    _, alive = psutil.wait_procs(list(targets.values()), timeout=_STOP_GRACE_S)
-    if alive:
-        signal_all(signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
-    for popen in popens:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(timeout=_STOP_GRACE_S)
-    survivors = {p.pid: p for p in targets.values() if _alive(p)}
-    survivors.update({p.pid: p for p in marked_processes(marker)})
-    return [_describe(p) for p in survivors.values()]
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return str(proc.pid)
+    """Stop everything this run started (see `benchmarks.procstats.stop_processes`)."""
+    return procstats.stop_processes(popens, extra, MARKER_ENV, marker, _STOP_GRACE_S)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -25,8 +25,12 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from types import TracebackType
 
 import psutil
@@ -40,6 +44,82 @@ def tree_processes(root: psutil.Process) -> list[psutil.Process]:
         return [root, *root.children(recursive=True)]
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return []
+
+
+def processes_with_env(key: str, value: str) -> list[psutil.Process]:
+    """Every live process (not this one) whose environment has ``key=value``.
+
+    Children inherit the environment, so a per-run value finds everything a run
+    started even after it left its process group or was re-parented to init; other
+    users' processes (which we may not read) are skipped.
+    """
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
+            continue
+        try:
+            if proc.environ().get(key) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def stop_processes(
+    popens: Iterable[subprocess.Popen[bytes]],
+    extra: Iterable[psutil.Process],
+    env_key: str,
+    env_value: str,
+    grace_s: float = 5.0,
+) -> list[str]:
+    """SIGTERM, then SIGKILL, every process group in ``popens`` (started with
+    ``start_new_session=True``), every process in ``extra`` and every process whose
+    environment has ``env_key=env_value``; returns descriptions of survivors (should
+    be none). SIGTERM first so daemons that handle it leave cleanly.
+    """
+    popens = list(popens)
+    targets: dict[int, psutil.Process] = {}
+    # Collect descendants before any parent dies, or they get re-parented to init.
+    for popen in popens:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for proc in tree_processes(psutil.Process(popen.pid)):
+                targets[proc.pid] = proc
+    for proc in [*extra, *processes_with_env(env_key, env_value)]:
+        targets.setdefault(proc.pid, proc)
+
+    def signal_all(sig: signal.Signals) -> None:
+        for popen in popens:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(popen.pid, sig)  # start_new_session: pid is the group id
+        for proc in targets.values():
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                proc.send_signal(sig)  # psutil refuses a PID reused by someone else
+
+    signal_all(signal.SIGTERM)
+    _, alive = psutil.wait_procs(list(targets.values()), timeout=grace_s)
+    if alive:
+        signal_all(signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=grace_s)
+    for popen in popens:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(timeout=grace_s)
+    survivors = {p.pid: p for p in targets.values() if _alive(p)}
+    survivors.update({p.pid: p for p in processes_with_env(env_key, env_value)})
+    return [_describe(p) for p in survivors.values()]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return str(proc.pid)
 
 
 def tree_rss(pid: int) -> int:

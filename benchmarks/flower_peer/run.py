@@ -26,7 +26,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -39,7 +38,7 @@ from typing import IO, Any
 
 import psutil
 
-from benchmarks.procstats import TreeRssSampler, tree_processes
+from benchmarks.procstats import TreeRssSampler, stop_processes
 
 __all__ = [
     "APP_TEMPLATE",
@@ -144,79 +143,17 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def _processes_with_flwr_home(flwr_home: Path) -> list[psutil.Process]:
-    """Every live process whose environment has this run's ``FLWR_HOME``.
-
-    Each run gets a fresh FLWR_HOME and every Flower process inherits it, so this
-    finds stragglers even if they were re-parented to init.
-    """
-    needle = str(flwr_home)
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get("FLWR_HOME") == needle:
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
-
-
 def kill_all(
     popens: Iterable[subprocess.Popen[bytes]],
     extra: Iterable[psutil.Process],
     flwr_home: Path,
 ) -> list[str]:
-    """Terminate, then kill, everything this run started; return survivors' descriptions."""
-    popens = list(popens)
-    targets: dict[int, psutil.Process] = {}
-    # Collect descendants before any parent dies, or they get re-parented to init.
-    for popen in popens:
-        try:
-            root = psutil.Process(popen.pid)
-        except psutil.NoSuchProcess:
-            continue
-        for proc in tree_processes(root):
-            targets[proc.pid] = proc
-    for proc in [*extra, *_processes_with_flwr_home(flwr_home)]:
-        targets.setdefault(proc.pid, proc)
+    """Terminate, then kill, everything this run started; return survivors' descriptions.
 
-    def signal_all(sig: signal.Signals) -> None:
-        for popen in popens:
-            # start_new_session=True made each root its own process-group leader.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, sig)
-        for proc in targets.values():
-            # psutil refuses to signal a PID that has been reused by another process.
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                proc.send_signal(sig)
-
-    signal_all(signal.SIGTERM)
-    _, alive = psutil.wait_procs(list(targets.values()), timeout=_STOP_GRACE_S)
-    if alive:
-        signal_all(signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
-    for popen in popens:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            popen.wait(timeout=_STOP_GRACE_S)
-    survivors = [p for p in targets.values() if p.is_running() and _not_zombie(p)]
-    survivors += [p for p in _processes_with_flwr_home(flwr_home) if p not in survivors]
-    return [_describe(p) for p in survivors]
-
-
-def _not_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _describe(proc: psutil.Process) -> str:
-    try:
-        return f"{proc.pid}:{' '.join(proc.cmdline())[:120]}"
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return str(proc.pid)
+    Each run gets a fresh FLWR_HOME and every Flower process inherits it, so that finds
+    stragglers even if they were re-parented to init (the SuperExec leaves its group).
+    """
+    return stop_processes(popens, extra, "FLWR_HOME", str(flwr_home), _STOP_GRACE_S)
 
 
 def run_flower_deployment(
