@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from fedtrain.errors import ConfigError, TaskError
 from fedtrain.strategy.base import RoundConfig
-from fedtrain.tensors import ModelState
+from fedtrain.tensors import TensorSpec, dtype_name
 
 
 @dataclass(frozen=True)
@@ -310,7 +310,10 @@ def task_fingerprint(task: Task) -> str:
     The server never ships code; a site whose installed task differs is refused
     with a message naming both fingerprints.
     """
-    spec = ModelState.from_module(model_for(task, 0)).specs
+    spec = tuple(  # shapes only: no copy of the model's tensors (it may be large)
+        TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
+        for name, t in model_for(task, 0).state_dict().items()
+    )
     cls = type(task)
     text = f"{cls.__module__}:{cls.__qualname__}|{task.version}|{spec}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
