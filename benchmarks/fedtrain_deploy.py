@@ -10,11 +10,11 @@ and returns a dict of the same shape, so the two can be tabulated side by side.
 
 What is timed: the server's own ``seconds`` per round (``metrics.jsonl``, also on the
 ``--progress-jsonl`` stream): from just before the instructions are pushed to the
-chosen sites, through every site's download, training, upload (validated, spooled
+chosen sites, through every site's download, training, upload (validated, journaled
 and folded into the aggregate as it arrives), to the new global model being
-finalized, hashed, checkpointed to disk (fsync) and logged. Flower's figure is
-stamped inside its ServerApp from the push to each aggregate, with no checkpoint, so
-fedtrain's includes strictly more work.
+finalized and logged; its checkpoint (fsync) is written while the next round runs,
+which waits for it before finalizing. Flower's figure is stamped inside its
+ServerApp from the push to each aggregate, with no checkpoint at all.
 
 Cleanup: every process is started in its own session (process group) with a private
 marker in its environment, so ``stop_processes`` can find and kill anything this run

@@ -3,12 +3,15 @@
 The side-by-side benchmark times whole rounds across processes; this module explains
 them. At one model size it times, in this process and with fedtrain's own code:
 
-- ``digest``: SHA-256 of the new global model (its version id, computed every round);
-- ``checkpoint``: ``RunDir.save_checkpoint`` (torch.save + fsync + rename) every round;
+- ``checkpoint``: ``RunDir.save_checkpoint`` (torch.save + fsync + rename) every round,
+  on its own thread while the next round runs;
 - ``begin_round``: allocating and zeroing the FedAvg accumulator;
-- ``spool``: one update through ``UpdateSpool.add`` (placement checks, finiteness,
-  write to the spool file), as the upload handler does chunk by chunk;
-- ``fold``: ``UpdateSpool.fold_into`` (read back, check, weighted add);
+- ``receive``: one update as the upload handler takes it, chunk by chunk: placement
+  checks, finiteness, journal (in memory, within ``upload_memory_mb``) and the
+  weighted add into the round's sum; ``receive_disk``: the same with the journal on
+  disk (``upload_memory_mb = 0``, or past the budget);
+- ``undo``: taking a whole update back out of the sum from its journal (only for an
+  upload that breaks off);
 - ``check_finite``: the per-chunk NaN/Inf check over one update, sum-first (current)
   and element-wise ``isfinite`` (what it was before), to show what that change saved;
 - ``grpc_upload``/``grpc_download``: raw Python gRPC throughput over loopback for
@@ -32,7 +35,7 @@ import grpc
 import torch
 
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.upload import MemoryBudget, UpdateSpool
 from fedtrain.strategy.aggregate import check_finite
 from fedtrain.strategy.fedavg import FedAvg
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES, ModelState
@@ -115,25 +118,28 @@ def _server_pieces(
     chunks = list(update.chunks(chunk_bytes))
     strategy = FedAvg()
     out: dict[str, float] = {}
-    out["digest"] = _best(model.digest, repeat)
     run_dir = RunDir(Path(tempfile.mkdtemp(dir=workdir, prefix="ckpt-")))
     out["checkpoint"] = _best(lambda: run_dir.save_checkpoint(1, model, {}, {"x": 1}), repeat)
     out["begin_round"] = _best(lambda: strategy.begin_round(1, model), repeat)
     aggregate = strategy.begin_round(1, model)
 
-    def spool_and_fold() -> tuple[float, float]:
-        with UpdateSpool(model.specs, workdir, chunk_bytes) as spool:
+    def receive(memory: MemoryBudget) -> tuple[float, float]:
+        """(seconds to receive and fold one update, seconds to take it back out)."""
+        with UpdateSpool(model.specs, workdir, chunk_bytes, memory) as spool:
             start = time.perf_counter()
             for chunk in chunks:
-                spool.add(chunk)
+                aggregate.add_checked_chunk(*spool.add(chunk), 1.0)
             spool.finish()
             mid = time.perf_counter()
-            spool.fold_into(aggregate, 1.0)
+            for piece in spool.pieces():
+                aggregate.add_checked_chunk(*piece, -1.0)
             return mid - start, time.perf_counter() - mid
 
-    timings = [spool_and_fold() for _ in range(repeat)]
-    out["spool"] = min(t[0] for t in timings)
-    out["fold"] = min(t[1] for t in timings)
+    in_memory = [receive(MemoryBudget(update.nbytes)) for _ in range(repeat)]
+    on_disk = [receive(MemoryBudget(0)) for _ in range(repeat)]
+    out["receive"] = min(t[0] for t in in_memory)
+    out["undo"] = min(t[1] for t in in_memory)
+    out["receive_disk"] = min(t[0] for t in on_disk)
     values = update["weights"]
     step = chunk_bytes // 4
     pieces = [values[i : i + step] for i in range(0, num_params, step)]

@@ -327,9 +327,11 @@ def render_section(
         "round k >= 2 from round k-1's end to round k's end. Flower: stamped inside the "
         "ServerApp (after node sampling; after each `aggregate_train`). fedtrain: round 1 "
         "is the server's own `seconds` (metrics.jsonl); later rounds are the gaps between "
-        "the server's `--progress-jsonl` lines, which it prints after the new model is "
-        "finalized, SHA-256-hashed (its version id), **checkpointed to disk with fsync** "
-        "and logged; Flower writes no checkpoint, so fedtrain's rounds include more work. "
+        "the server's `--progress-jsonl` lines, which it prints once the new model is "
+        "finalized and logged; its checkpoint (torch.save + fsync) is written on its own "
+        "thread while the next round runs, and round k+1 waits for round k's checkpoint "
+        "before it finalizes, so every checkpoint's cost is inside the timed rounds "
+        "(Flower writes none). "
         "Medians over the rounds. RSS: peak of each whole process tree (fedtrain server; "
         "each site daemon; Flower's superlink + superexec + serverapp; each supernode + "
         "superexec + clientapps), sampled every 0.15 s.",
@@ -445,10 +447,10 @@ def _breakdown_lines(results: list[tuple[Job, Result]]) -> list[str]:
         "### Where a fedtrain round goes (medians over rounds, from the processes' logs)",
         "",
         "download / train / upload: the slowest site's phases as its daemon logs them "
-        "(both sites run concurrently; upload ends when the server has validated, spooled "
-        "and folded the update); after last fold: server time from the last fold to the "
-        "round's metrics line (FedAvg finalize, SHA-256 of the new model, checkpoint + "
-        "fsync).",
+        "(both sites run concurrently; upload ends when the server has validated, "
+        "journaled and folded the update, which it does chunk by chunk as it arrives); "
+        "after last fold: server time from the last fold to the round's metrics line "
+        "(FedAvg finalize; the checkpoint is written in the background).",
         "",
         "| params | variant | s/round | download | train | upload | after last fold |",
         "|---|---|---|---|---|---|---|",
@@ -479,18 +481,19 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         f"### Server pieces at {human(size)} params, in-process (`benchmarks/runtime_profile.py`)",
         "",
         "Best of 2, fedtrain's own code in one process, 4 MiB chunks. Per round the server "
-        "does 1 digest + 1 checkpoint + 1 begin_round and, per site, 1 spool + 1 fold.",
+        "does 1 checkpoint (in the background) + 1 begin_round and, per site, 1 receive "
+        "(an undo only for an upload that breaks off).",
         "",
         "| piece | seconds | MB/s |",
         "|---|---|---|",
         *(
             f"| {name} | {secs(t[key])} | {model_mb / t[key]:.0f} |"
             for name, key in (
-                ("SHA-256 digest of the new model", "digest"),
                 ("checkpoint (torch.save + fsync + rename)", "checkpoint"),
                 ("begin_round (zeroed accumulator)", "begin_round"),
-                ("spool one update (validate, finiteness, write)", "spool"),
-                ("fold one update (read back, check, add)", "fold"),
+                ("receive one update (validate, finiteness, journal in memory, add)", "receive"),
+                ("the same, journal on disk", "receive_disk"),
+                ("undo one update from its in-memory journal", "undo"),
                 ("check_finite over one update, sum-first (now)", "check_finite"),
                 ("check_finite over one update, element-wise (before)", "check_finite_elementwise"),
                 ("raw Python gRPC upload of one model over loopback", "grpc_upload"),
@@ -500,7 +503,7 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         "",
         f"A round moves {per_round_bytes / 1e6:,.0f} MB ({profile['sites']} sites x model down "
         f"and up); at the raw gRPC rates above that alone is ~{floor:.1f} s if nothing "
-        "overlapped, before any validation, spooling, hashing or checkpointing.",
+        "overlapped, before any validation, folding or checkpointing.",
     ]
 
 

@@ -78,6 +78,16 @@ class RunDir:
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
+    def drop_metrics_after(self, server_round: int) -> int:
+        """Remove the lines of rounds after `server_round` (a resume re-runs them); returns
+        how many were removed."""
+        records = self.read_metrics()
+        keep = [r for r in records if r.get("round", 0) <= server_round]
+        if len(keep) != len(records):
+            text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode()
+            atomic_write(self.metrics_path, lambda f: f.write(text))
+        return len(records) - len(keep)
+
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics_path.exists():
             return []

@@ -160,3 +160,18 @@ def test_empty_tensor_travels():
     chunks = list(state.chunks())
     assert [c.name for c in chunks] == ["e", "x"]
     assert assemble(chunks, state.specs).equal(state)
+
+
+def test_assembling_into_a_reused_state_overwrites_its_memory():
+    old = ModelState({"w": torch.zeros(5, 3), "step": torch.zeros((), dtype=torch.int64)})
+    new = ModelState({"w": torch.randn(5, 3), "step": torch.tensor(7)})
+    asm = StateAssembler(new.specs, reuse=old)
+    for c in new.chunks(8):
+        asm.add(c)
+    out = asm.finish()
+    assert out.equal(new)
+    assert out["w"].data_ptr() == old["w"].data_ptr()  # no fresh buffer
+    other = StateAssembler(ModelState({"w": torch.zeros(4)}).specs, reuse=old)
+    for c in ModelState({"w": torch.ones(4)}).chunks():
+        other.add(c)
+    assert other.finish()["w"].data_ptr() != old["w"].data_ptr()  # other specs: fresh

@@ -117,6 +117,12 @@ class ServerConfig:
     max_workers: int = option(
         64, "gRPC worker threads; each connected site holds one, each transfer one more."
     )
+    upload_memory_mb: int = option(
+        1024,
+        "RAM (MiB), shared by the uploads in flight, for the journals that let a broken "
+        "upload be taken back out of the sum; beyond it they go to a file under the run "
+        "dir. Server memory is ~2x the model plus this; 0 keeps journals on disk only.",
+    )
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
@@ -131,6 +137,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
         _positive(self, "round_timeout_s")
+        if self.upload_memory_mb < 0:
+            raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
         if self.max_round_attempts < 0:
             raise ConfigError(f"max_round_attempts must be >= 0, got {self.max_round_attempts}")
         if self.chunk_bytes + HEADER_ALLOWANCE > self.max_message_bytes:

@@ -21,8 +21,8 @@ import grpc
 
 from fedtrain.errors import UpdateRejected
 from fedtrain.runtime.sessions import Session
-from fedtrain.runtime.upload import UpdateSpool
-from fedtrain.strategy import RoundConfig
+from fedtrain.runtime.upload import Piece, UpdateSpool
+from fedtrain.strategy import RoundConfig, WeightedSum
 from fedtrain.strategy.aggregate import Aggregator
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class RoundState:
     timed_out: bool = False
     #: Set when folding failed halfway; the aggregate is then unusable and the attempt fails.
     poisoned: str | None = None
+    #: Uploads being folded as they arrive: site -> (its journal, its weight).
+    _streams: dict[str, tuple[UpdateSpool, float]] = field(default_factory=dict, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,17 +124,60 @@ class RoundState:
                 )
             self.uploading.add(session.site)
 
+    def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
+        """Fold one validated, journaled chunk into a streaming sum at once.
+
+        Aggregators that need whole updates get it at `commit` instead. Refused once the
+        attempt closed (`close` took the site's folded chunks back out).
+        """
+        if not isinstance(self.aggregate, WeightedSum):
+            return
+        with self._cond:
+            if self.closed or site not in self.uploading:
+                raise UploadRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"site {site!r}, round {self.round}: the round closed while the update "
+                    "was being received (deadline passed); update dropped",
+                )
+            self._streams[site] = (spool, weight)
+            try:
+                self.aggregate.add_checked_chunk(*piece, weight)
+            except BaseException as exc:
+                self._poison(f"folding the update of {site!r} failed halfway: {exc}")
+                raise
+            spool.folded += 1
+
+    def _unfold(self, site: str) -> None:
+        """Take an unfinished upload's folded chunks back out of the sum (under the lock)."""
+        spool, weight = self._streams.pop(site, (None, 0.0))
+        if spool is None or not spool.folded or self.poisoned:
+            return
+        try:
+            for piece in spool.pieces(spool.folded):
+                self.aggregate.add_checked_chunk(*piece, -weight)
+        except BaseException as exc:
+            self._poison(f"taking the unfinished update of {site!r} back out failed: {exc}")
+            raise
+        log.info("round %d: %d chunk(s) of %r taken back out", self.round, spool.folded, site)
+
+    def _poison(self, why: str) -> None:
+        self.poisoned = why
+        self.closed = True
+        self._cond.notify_all()
+
     def abandon(self, site: str) -> None:
-        """An admitted upload failed; the site may try again until the deadline."""
+        """An admitted upload failed; its chunks leave the sum, and the site may try again
+        until the deadline."""
         with self._cond:
             self.uploading.discard(site)
+            self._unfold(site)
 
     def commit(
         self, session: Session, spool: UpdateSpool, num_examples: int, metrics: Mapping[str, float]
     ) -> None:
-        """Fold a complete, validated update into the aggregate (if the attempt is open)."""
+        """Count a complete, validated update in the aggregate (if the attempt is open)."""
         with self._cond:
-            self.uploading.discard(session.site)
+            self.uploading.discard(session.site)  # a refusal below: `abandon` undoes the folds
             if self.closed:
                 raise UploadRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -145,12 +190,14 @@ class RoundState:
                     f"site {session.site!r}, round {self.round}: the site's round already "
                     f"ended as {self.outcomes[session.site].value}; update dropped",
                 )
+            streamed = self._streams.pop(session.site, None)
             try:
-                spool.fold_into(self.aggregate, float(num_examples))
+                if streamed is None:
+                    spool.fold_into(self.aggregate, float(num_examples))
+                else:
+                    self.aggregate.commit(streamed[1])  # the weight its chunks were folded with
             except BaseException as exc:
-                self.poisoned = f"folding the update of {session.site!r} failed halfway: {exc}"
-                self.closed = True
-                self._cond.notify_all()
+                self._poison(f"folding the update of {session.site!r} failed halfway: {exc}")
                 raise
             self.outcomes[session.site] = Outcome.DONE
             self.results.append((num_examples, dict(metrics)))
@@ -190,6 +237,8 @@ class RoundState:
         """Stop admitting and folding updates; what happened, per site."""
         with self._cond:
             self.closed = True
+            for site in list(self._streams):  # uploads still arriving leave no trace
+                self._unfold(site)
             by = {o: [s for s, v in self.outcomes.items() if v is o] for o in Outcome}
             return RoundSummary(
                 round=self.round,

@@ -3,7 +3,7 @@
 Every request from a site is untrusted. Admission checks the site's identity (its
 certificate under mutual TLS), the allow-list, the protocol version and the task
 fingerprint. Bulk RPCs must carry the token of a live control session belonging to
-the same certificate. Uploads are validated chunk by chunk and spooled (see
+the same certificate. Uploads are validated, journaled and folded chunk by chunk (see
 `upload.py`); whatever is wrong becomes a gRPC status naming site, round and tensor,
 an audit record and a log line, and never an exception that escapes a handler.
 """
@@ -29,7 +29,7 @@ from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
-from fedtrain.runtime.upload import MaskedUpload, UpdateSpool
+from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.audit = audit
         self.secure = secure
         self.spool_dir = spool_dir
+        self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         # Each site holds a worker thread for its control stream; keep room for transfers.
         self.max_sites = max(1, config.max_workers // 2 - 1)
 
@@ -256,7 +257,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
         except grpc.RpcError:
             return pb.UploadReceipt()  # the site cancelled before sending anything
-        if first.WhichOneof("kind") != "header":
+        if isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
             self._deny(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its header"
             )
@@ -345,13 +346,24 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         header: pb.UploadHeader,
         request_iterator: Iterator[pb.UpdateChunk],
     ) -> int:
-        """Spool, validate and fold one upload; returns the bytes received."""
+        """Validate, journal and fold one upload as it arrives; returns the bytes received.
+
+        On any failure the folded chunks are taken back out while the journal still
+        exists (the caller's `abandon` then finds nothing left to undo).
+        """
         model = self.coordinator.global_model
-        with UpdateSpool(model.state.specs, self.spool_dir, self.config.chunk_bytes) as spool:
-            for chunk in self._chunks(session, header, request_iterator):
-                spool.add(chunk)
-            spool.finish()
-            state.commit(session, spool, header.num_examples, dict(header.metrics))
+        weight = float(header.num_examples)
+        with UpdateSpool(
+            model.state.specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
+        ) as spool:
+            try:
+                for chunk in self._chunks(session, header, request_iterator):
+                    state.fold(session.site, spool, spool.add(chunk), weight)
+                spool.finish()
+                state.commit(session, spool, header.num_examples, dict(header.metrics))
+            except BaseException:
+                state.abandon(session.site)
+                raise
             return spool.bytes_received
 
     def _receive_masked(
@@ -381,12 +393,12 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
     ) -> Iterator[Chunk]:
         """The chunks after an upload's header (counted as received); a second header is refused."""
         for message in request_iterator:
-            if message.WhichOneof("kind") != "chunk":
+            chunk = wire.stream_chunk(message)
+            if chunk is None:
                 raise UploadRefused(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
-            chunk = wire.chunk_from_proto(message.chunk)
             self.coordinator.transfers.add(received=len(chunk.data))
             yield chunk
 
@@ -456,7 +468,7 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
         ),
         "UploadUpdate": grpc.stream_unary_rpc_method_handler(
             servicer.UploadUpdate,
-            request_deserializer=pb.UpdateChunk.FromString,
+            request_deserializer=wire.chunk_stream_deserializer(pb.UpdateChunk),
             response_serializer=pb.UploadReceipt.SerializeToString,
         ),
         "Status": grpc.unary_unary_rpc_method_handler(

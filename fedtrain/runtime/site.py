@@ -420,25 +420,30 @@ class SiteDaemon:
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
             return cached[1]
-        self._cache = cached = None  # let the old version go before the new one arrives
+        # The old version's memory receives the new one (nothing else holds it now).
+        previous = cached[1] if cached is not None else None
+        self._cache = cached = None
         download = link.channel.unary_stream(
             wire.method_path("DownloadModel"),
             request_serializer=pb.ModelRequest.SerializeToString,
-            response_deserializer=pb.ModelPiece.FromString,
+            response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
         )
         pieces = download(pb.ModelRequest(version=version, session_token=link.token))
         head = next(pieces, None)
-        if head is None or head.WhichOneof("kind") != "manifest":
+        if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
             raise ProtocolError("a model download must start with its manifest")
         if head.manifest.model_version != version:
             raise ProtocolError(
                 f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
             )
-        assembler = StateAssembler([wire.spec_from_proto(s) for s in head.manifest.specs])
+        assembler = StateAssembler(
+            [wire.spec_from_proto(s) for s in head.manifest.specs], reuse=previous
+        )
         for piece in pieces:
-            if piece.WhichOneof("kind") != "chunk":
+            chunk = wire.stream_chunk(piece)
+            if chunk is None:
                 raise ProtocolError("a model download holds a second manifest")
-            assembler.add(wire.chunk_from_proto(piece.chunk))
+            assembler.add(chunk)
         state = assembler.finish()
         self._cache = (version, state)
         self.downloads += 1

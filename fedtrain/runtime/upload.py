@@ -1,17 +1,30 @@
-"""One site's update on its way in: validated chunk by chunk, spooled to disk, folded once whole.
+"""One site's update on its way in: validated chunk by chunk, folded as it arrives, journaled.
 
-Why a spool: folding chunks straight into the round's aggregate would let a stream
-that turns out bad (a NaN in its last chunk, a missing tensor, a dropped connection)
-leave half an update behind in it. Holding whole updates in RAM until they are
-complete would cost O(sites x model) of server memory. Writing the (already
-validated) raw bytes sequentially to a temporary file keeps memory O(chunk) per
-upload; a bad or truncated stream is simply deleted, and a complete one is read back
-in chunk-sized pieces into the aggregate under the round's lock.
+A plain update's chunks are folded into the round's streaming sum the moment they pass
+the checks (placement, size, finiteness), so the upload's receipt, its validation and
+the weighted add overlap on the wire's time, and two sites' uploads fold side by side
+(a lock per chunk, not per update). The price of folding before the update is known
+to be whole is that a stream which breaks off (a dropped connection, a missing
+tensor, the round's deadline) must be taken back out: every folded chunk is also kept
+in the upload's *journal*, and an aborted upload is subtracted back out of the sum
+from it. The undo leaves the sum equal to what it would have been without the upload
+up to float rounding (~1 ulp of the accumulator), the same size as the difference the
+order of arrival of uploads already makes.
 
-A secure-aggregation round's masked vector is the exception (`MaskedUpload`): it is
+The journal keeps chunks in memory (the received buffers themselves, no copy) while
+the server's `upload_memory_mb` budget, shared by all uploads in flight, allows, and
+appends the rest to a temporary file. Memory: at most that budget plus O(chunk) per
+upload. On disk the journal costs a write at page-cache speed as long as the disk
+keeps up; when it does not (a checkpoint's fsync, other writers) the writer is
+throttled to the disk's speed, which is why memory comes first.
+
+Aggregators that must see a whole update before using it (median, trimmed mean,
+Krum: not a `WeightedSum`) get the update from the journal once it is complete,
+under the round's lock, as before.
+
+A secure-aggregation round's masked vector (`MaskedUpload`) needs no journal: it is
 uniformly random, so folding it into the modular sum as it arrives reveals nothing,
 and a stream that breaks is subtracted back out (`SecAggServer.abort_masked_input`).
-It gets the same chunk checks, but no spool.
 """
 
 from __future__ import annotations
@@ -19,7 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -36,67 +50,144 @@ log = logging.getLogger(__name__)
 SPOOL_PREFIX = "upload-"
 SPOOL_SUFFIX = ".spool"
 
+#: One validated chunk as the aggregate takes it: (tensor name, first element, values).
+Piece = tuple[str, int, torch.Tensor]
+
+
+class MemoryBudget:
+    """Bytes of upload journals the server may hold in RAM, shared by concurrent uploads."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        """Reserve `size` bytes if they fit; False (nothing reserved) if they do not."""
+        with self._lock:
+            if self.used + size > self.limit:
+                return False
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
+
 
 class UpdateSpool:
-    """Receives one update's chunks into a temporary file; `fold_into` adds it to an aggregate.
+    """One update's validated chunks, journaled in memory or on disk as they arrive.
 
-    Use as a context manager: the file is deleted on exit whatever happened.
+    `add` checks a chunk, journals it and returns it as a `Piece` for the caller to
+    fold at once; `pieces` reads journaled chunks back (to undo a fold, or to fold a
+    whole update into an aggregator that needs it whole). The file is written and read
+    positionally (`os.pwrite`/`os.preadv`), so the round may read the journal back
+    under its lock while the receiving thread appends to it. Use as a context
+    manager: memory is given back and the file deleted on exit whatever happened.
     """
 
     def __init__(
-        self, specs: tuple[TensorSpec, ...], directory: Path, max_chunk_bytes: int
+        self,
+        specs: tuple[TensorSpec, ...],
+        directory: Path,
+        max_chunk_bytes: int,
+        memory: MemoryBudget | None = None,
     ) -> None:
         self._validator = ChunkValidator(specs)
         self.max_chunk_bytes = max_chunk_bytes
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=directory, prefix=SPOOL_PREFIX, suffix=SPOOL_SUFFIX)
-        self.path = Path(name)
-        self._file = os.fdopen(fd, "w+b")
-        # (tensor name, byte offset in the tensor, size): where each spooled chunk belongs.
-        self._index: list[tuple[str, int, int]] = []
+        self._directory = directory
+        self._memory = memory
+        self._held = 0  # bytes of the budget this upload holds
+        self._fd = -1
+        self.path: Path | None = None  # the journal file, once a chunk had to go to disk
+        # Per journaled chunk, in order: (tensor name, byte offset in the tensor, size,
+        # the bytes themselves if kept in memory, else None: the next bytes of the file).
+        self._index: list[tuple[str, int, int, memoryview | None]] = []
+        self._written = 0
         self._largest = 0
         self._complete = False
+        #: How many of the journaled chunks have been folded (the round sets it).
+        self.folded = 0
 
     @property
     def bytes_received(self) -> int:
         return self._validator.bytes_received
 
-    def add(self, chunk: Chunk) -> None:
-        """Validate one chunk (placement, size, finiteness) and append its bytes to the file."""
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    def add(self, chunk: Chunk) -> Piece:
+        """Validate one chunk (placement, size, finiteness) and journal its bytes."""
         check_chunk_size(chunk, self.max_chunk_bytes)
-        size = len(chunk.data)
         spec = self._validator.check(chunk)
-        ensure_finite(spec.name, chunk_values(chunk))
-        self._file.write(chunk.data)
-        self._index.append((spec.name, chunk.offset, size))
-        self._largest = max(self._largest, size)
+        values = chunk_values(chunk)
+        ensure_finite(spec.name, values)
+        data = memoryview(chunk.data).cast("B")
+        if self._memory is not None and self._memory.take(len(data)):
+            self._held += len(data)
+            self._index.append((spec.name, chunk.offset, len(data), data))
+        else:
+            self._append_to_file(data)
+            self._index.append((spec.name, chunk.offset, len(data), None))
+            self._largest = max(self._largest, len(data))
+        return spec.name, chunk.offset // values.element_size(), values
+
+    def _append_to_file(self, data: memoryview) -> None:
+        if self._fd < 0:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            self._fd, name = tempfile.mkstemp(
+                dir=self._directory, prefix=SPOOL_PREFIX, suffix=SPOOL_SUFFIX
+            )
+            self.path = Path(name)
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], self._written + done)
+        self._written += len(data)
 
     def finish(self) -> None:
-        """Raise unless every tensor arrived whole; after this the update may be folded."""
+        """Raise unless every tensor arrived whole; after this the update may count."""
         self._validator.check_complete()
-        self._file.flush()
         self._complete = True
 
-    def fold_into(self, aggregate: Aggregator, weight: float) -> None:
-        """Add `weight * update` into `aggregate`, reading the spool back chunk by chunk."""
-        if not self._complete:
-            raise TensorStreamError("an incomplete upload cannot be aggregated")
+    def pieces(self, count: int | None = None) -> Iterator[Piece]:
+        """The first `count` journaled chunks (all by default), read back in order.
+
+        One buffer serves every piece: use each before asking for the next.
+        """
         buffer = bytearray(self._largest)
-        self._file.seek(0)
-        for name, offset, size in self._index:
-            view = memoryview(buffer)[:size]
-            got = self._file.readinto(view)
-            if got != size:
-                raise OSError(f"upload spool {self.path} is short: read {got} of {size} bytes")
+        position = 0
+        for name, offset, size, kept in self._index[:count]:
+            if kept is None:
+                view = memoryview(buffer)[:size]
+                got = os.preadv(self._fd, [view], position) if size else 0
+                if got != size:
+                    raise OSError(f"upload journal {self.path} is short: {got} of {size} bytes")
+                position += size
+            else:
+                view = kept
             dtype = torch_dtype(self._validator.specs[name].dtype)
             values = torch.frombuffer(view, dtype=dtype) if size else torch.empty(0, dtype=dtype)
-            aggregate.add_chunk(name, offset // dtype.itemsize, values, weight)
+            yield name, offset // dtype.itemsize, values
+
+    def fold_into(self, aggregate: Aggregator, weight: float) -> None:
+        """Add `weight * update` into `aggregate` from the journal (a complete update)."""
+        if not self._complete:
+            raise TensorStreamError("an incomplete upload cannot be aggregated")
+        for name, start, values in self.pieces():
+            aggregate.add_chunk(name, start, values, weight)
         aggregate.commit(weight)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        self.path.unlink(missing_ok=True)
+        if self._memory is not None and self._held:
+            self._memory.give(self._held)
+            self._held = 0
+        self._index.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> UpdateSpool:
         return self

@@ -175,8 +175,16 @@ class WeightedSum(Aggregator):
 
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         """Add `weight * values` into elements [start, start+len) of tensor `name`."""
-        end = self._check_chunk(name, start, values)
-        acc = self._sums[name][start:end]
+        self._check_chunk(name, start, values)
+        self.add_checked_chunk(name, start, values, weight)
+
+    def add_checked_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
+        """`add_chunk` for values the caller already checked like `_check_chunk` does.
+
+        The runtime validates each chunk as it arrives, outside the round's lock, and
+        only the add itself runs under it; a negative weight takes a chunk back out.
+        """
+        acc = self._sums[name][start : start + values.numel()]
         acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
 
     def merge(self, other: WeightedSum) -> None:

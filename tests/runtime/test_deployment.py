@@ -14,6 +14,7 @@ import pytest
 import torch
 from runtime_support import Deployment, wait_for
 
+from fedtrain.run_dir import load_state
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 
@@ -62,7 +63,8 @@ def test_mtls_run_writes_metrics_audit_and_checkpoint(tmp_path: Path) -> None:
     checkpoint = torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)
     assert checkpoint["round"] == 3
     assert checkpoint["extra"]["model_version"] == completed[-1]["model_version"]
-    assert (dep.run_dir / "model.pt").stat().st_size > 0
+    (done,) = dep.audit("run_completed")
+    assert done["model_sha256"] == load_state(dep.run_dir / "model.pt").digest()
     assert (dep.run_dir / "config.json").exists()
     assert "mutual TLS" in dep.log("server")
 
@@ -141,6 +143,14 @@ def test_site_killed_mid_round_is_a_dropout(tmp_path: Path) -> None:
     assert f"dropped out of round {killed_in}" in dep.log("server")
 
 
+def _checkpointed(dep: Deployment) -> int:
+    """The round of the run's checkpoint (written in the background); 0 before the first."""
+    try:
+        return int(torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)["round"])
+    except (FileNotFoundError, EOFError, RuntimeError):
+        return 0
+
+
 def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
     with Deployment(
         tmp_path,
@@ -153,7 +163,7 @@ def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
         dep.start_server()
         for name in ("a", "b"):
             dep.start_site(name, task_options={"delay_s": 0.3})
-        wait_for(lambda: len(dep.metrics()) >= 2, 60, "two rounds")
+        wait_for(lambda: _checkpointed(dep) >= 2, 60, "two rounds checkpointed")
         dep.procs.stop("server", signal.SIGKILL)
         killed_at = torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)["round"]
         assert 2 <= killed_at < 5

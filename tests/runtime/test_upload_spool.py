@@ -1,14 +1,20 @@
-"""The upload spool: only complete, valid updates reach the aggregate, bit for bit."""
+"""The upload journal: only complete, valid updates count in the aggregate, bit for bit."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from fedtrain.errors import TensorStreamError, UpdateRejected
-from fedtrain.runtime.upload import UpdateSpool, ensure_finite, remove_stale_spools
+from fedtrain.runtime.upload import (
+    MemoryBudget,
+    UpdateSpool,
+    ensure_finite,
+    remove_stale_spools,
+)
 from fedtrain.strategy import WeightedSum
 from fedtrain.tensors import Chunk, ModelState
 
@@ -98,9 +104,39 @@ def test_truncated_and_duplicated_streams_are_refused(tmp_path: Path) -> None:
     assert aggregate.count == 0
 
 
+def test_journals_stay_in_memory_within_the_shared_budget(tmp_path: Path) -> None:
+    update = _update()
+    budget = MemoryBudget(update.nbytes + update.nbytes // 2)
+    folded = WeightedSum(update.specs)
+    with (
+        UpdateSpool(update.specs, tmp_path, 64, budget) as first,
+        UpdateSpool(update.specs, tmp_path, 64, budget) as second,
+    ):
+        for spool in (first, second):  # one after the other: the second overflows
+            for chunk in update.chunks(64):
+                spool.add(chunk)
+        assert first.path is None, "the first upload fits in memory: no file"
+        assert second.path is not None
+        on_disk = second.path.stat().st_size
+        assert 0 < on_disk <= update.nbytes // 2 + 64
+        assert budget.used == 2 * update.nbytes - on_disk
+        for spool in (first, second):
+            spool.finish()
+            spool.fold_into(folded, 2.0)
+    assert budget.used == 0, "closing gives the memory back"
+    assert not list(tmp_path.iterdir())
+    direct = WeightedSum(update.specs)
+    direct.add(update, 2.0)
+    direct.add(update, 2.0)
+    for name in update:
+        assert torch.equal(folded.mean()[name], direct.mean()[name])
+
+
 def test_stale_spools_are_removed(tmp_path: Path) -> None:
     spool = UpdateSpool(_update().specs, tmp_path, 64)
-    spool._file.close()  # a crash leaves the file behind
+    spool.add(next(_update().chunks(64)))
+    os.close(spool._fd)  # a crash leaves the file behind
+    spool._fd = -1
     (tmp_path / "keep.txt").write_text("x")
     assert remove_stale_spools(tmp_path) == 1
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

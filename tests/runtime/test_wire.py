@@ -30,6 +30,45 @@ def test_hand_encoded_chunk_is_protobufs_encoding(chunk: Chunk) -> None:
     assert bytes(decoded.data) == bytes(chunk.data)
 
 
+@pytest.mark.parametrize("message_class", [pb.ModelPiece, pb.UpdateChunk])
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        Chunk("w", "float32", (3, 2), 8, memoryview(torch.arange(6.0).numpy()).cast("B")),
+        Chunk("layer.bias", "bfloat16", (300,), 0, bytes(range(200)) * 2),
+        Chunk("empty", "int64", (0,), 0, b""),
+    ],
+)
+def test_chunks_are_decoded_without_copying_like_protobuf_would(chunk, message_class) -> None:
+    data = message_class(chunk=wire.chunk_to_proto(chunk)).SerializeToString()
+    got = wire.chunk_stream_deserializer(message_class)(data)
+    want = wire.chunk_from_proto(message_class.FromString(data).chunk)
+    got_chunk = wire.stream_chunk(got)
+    assert got_chunk is not None
+    assert (got_chunk.spec, got_chunk.offset) == (want.spec, want.offset)
+    assert bytes(got_chunk.data) == bytes(want.data)
+    if chunk.data:  # a view into gRPC's buffer, not a copy
+        assert isinstance(got, Chunk) and isinstance(got.data, memoryview)
+        assert got.data.obj is data
+
+
+def test_other_messages_and_unusual_layouts_go_to_protobuf() -> None:
+    header = pb.UpdateChunk(header=pb.UploadHeader(round=3, num_examples=7)).SerializeToString()
+    decode = wire.chunk_stream_deserializer(pb.UpdateChunk)
+    assert decode(header).header.num_examples == 7
+    # The payload before the other fields (valid protobuf, not how anyone writes it).
+    inner = pb.TensorChunk(data=b"abcd").SerializeToString()
+    inner += pb.TensorChunk(name="x", dtype="uint8", shape=[4]).SerializeToString()
+    reordered = pb.UpdateChunk(chunk=pb.TensorChunk.FromString(inner)).SerializeToString()
+    raw = wire._CHUNK_KEY + wire._varint(len(inner)) + inner
+    assert wire.decode_chunk_message(raw) is None
+    parsed = wire.stream_chunk(decode(raw))
+    assert parsed is not None and (parsed.name, bytes(parsed.data)) == ("x", b"abcd")
+    assert wire.stream_chunk(decode(reordered)).name == "x"
+    with pytest.raises(ProtocolError, match="varint"):
+        wire.decode_chunk_message(wire._CHUNK_KEY + b"\xff")
+
+
 def test_serialize_stream_item_accepts_messages_and_chunks() -> None:
     header = pb.UpdateChunk(header=pb.UploadHeader(round=3, num_examples=7))
     assert wire.serialize_stream_item(header) == header.SerializeToString()
