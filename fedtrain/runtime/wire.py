@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -169,3 +170,16 @@ def serialize_stream_item(item: Chunk | Any) -> bytes:
     if isinstance(item, Chunk):
         return encode_chunk_message(item)
     return item.SerializeToString()
+
+
+def describe_rpc_error(exc: grpc.RpcError) -> str:
+    """A failed RPC as one line, with a hint when it looks like a TLS problem."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+    text = f"{code.name if code else 'error'}: {details}"
+    if code is grpc.StatusCode.UNAVAILABLE and "handshake" in (details or "").lower():
+        text += (
+            " (the TLS handshake failed: check that this machine's certificate was issued by "
+            "the federation CA the server trusts, and that tls.ca is that CA)"
+        )
+    return text
