@@ -11,9 +11,8 @@ dashboard reads well: `eval/accuracy`, `transfer/bytes_in`, `time/seconds`,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from fedtrain.errors import ConfigError
@@ -88,17 +87,6 @@ class TensorBoardWriter:
     def close(self) -> None:
         self._writer.close()
 
-    def __enter__(self) -> TensorBoardWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 @contextmanager
 def observing(
@@ -108,7 +96,7 @@ def observing(
     if not enabled:
         yield then
         return
-    with TensorBoardWriter(run_dir) as writer:
+    with closing(TensorBoardWriter(run_dir)) as writer:
 
         def observe(record: dict[str, Any]) -> None:
             writer(record)
