@@ -104,8 +104,12 @@ def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -
         "round_timeout_s": 30.0,
         "chunk_bytes": CHUNK,
         "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
-        "strategy": {"min_fit_clients": sites, "min_available_clients": sites},
         **extra,
+    }
+    raw["strategy"] = {
+        "min_fit_clients": sites,
+        "min_available_clients": sites,
+        **extra.get("strategy", {}),
     }
     server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
     server.start()
