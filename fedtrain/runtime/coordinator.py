@@ -336,6 +336,7 @@ class Coordinator:
             "bytes_in": bytes_in,
             "bytes_out": bytes_out,
             **self.strategy.aggregate_metrics(summary.results),
+            **self.strategy.round_metrics(),  # e.g. DP's epsilon, as in a simulation
             "loss": None,
             "accuracy": None,
         }

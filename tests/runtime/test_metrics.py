@@ -109,3 +109,30 @@ def test_a_taken_metrics_port_is_a_clear_error(tmp_path) -> None:
 def test_metrics_port_must_be_a_port(tmp_path) -> None:
     with pytest.raises(ConfigError, match="metrics_port = 70000"):
         inprocess_server(tmp_path, TinyTask(), metrics_port=70000)
+
+
+def test_dp_epsilon_reaches_metrics_and_tensorboard(tmp_path, stop_after) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    task = TinyTask()
+    dp = {"name": "dpfedavg", "options": {"noise_multiplier": 0.1, "clip_norm": 1.0}}
+    server = inprocess_server(tmp_path, task, sites=2, rounds=1, strategy=dp, tensorboard=True)
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    sites = [FakeSite(server.port, name, fp) for name in ("alpha", "beta")]
+    stop_after += sites
+    model = server.coordinator.global_model.state
+    delta = ModelState({k: torch.full_like(v, 0.01) for k, v in model.items()})
+    for site in sites:
+        version = site.expect("instruction").instruction.model_version
+        site.upload([site.header(1, model_version=version), *chunk_messages(delta.chunks(CHUNK))])
+    assert server.wait(30) and server.coordinator.error is None
+    epsilon = server.coordinator.last_metrics["epsilon"]
+    assert epsilon > 0
+    server.stop()  # flushes and closes the event file
+    events = EventAccumulator(str(server.run_dir.path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("privacy/epsilon")] == [
+        (1, pytest.approx(epsilon, rel=1e-6))
+    ]
