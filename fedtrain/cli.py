@@ -203,9 +203,12 @@ def _status_target(args: argparse.Namespace):
     """(address, channel credentials or None, TLS server name) from the flags / site.toml."""
     from fedtrain.errors import ConfigError
     from fedtrain.runtime import tls
-    from fedtrain.runtime.config import load_site_config
 
-    site = load_site_config(args.config) if args.config else None
+    site = None
+    if args.config:  # imports torch (the config schema); plain flags stay light
+        from fedtrain.runtime.config import load_site_config
+
+        site = load_site_config(args.config)
     address = args.server or (site.server if site else None)
     if not address:
         raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,17 @@ def test_status_of_an_unreachable_server_says_what_to_check(tmp_path):
     out = fedtrain("status", "--server", address, "--insecure", "--timeout", "5", cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert f"no answer from the server at {address} (UNAVAILABLE" in out.stderr
-    assert "`fedtrain server` is running" in out.stderr and "firewall" in out.stderr
+    assert f"nothing listens on {address}: check that `fedtrain server` is running" in out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+    with socket.socket() as silent:  # accepts connections (the backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        out = fedtrain("status", "--server", address, "--insecure", "--timeout", "1", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "(DEADLINE_EXCEEDED" in out.stderr
+    assert "firewall" in out.stderr and "runs with --insecure too" in out.stderr
 
     out = fedtrain("status", "--server", address, cwd=tmp_path)  # neither TLS nor --insecure
     assert out.returncode == 2

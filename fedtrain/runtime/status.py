@@ -16,7 +16,7 @@ import grpc
 
 from fedtrain.errors import FedtrainError
 from fedtrain.observability.status import ServerState, SiteState
-from fedtrain.runtime import wire
+from fedtrain.runtime import rpc
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 
 if TYPE_CHECKING:
@@ -136,7 +136,7 @@ def fetch_status(
         channel = grpc.secure_channel(address, credentials, options=options)
     with channel:
         status = channel.unary_unary(
-            wire.method_path("Status"),
+            rpc.method_path("Status"),
             request_serializer=pb.Empty.SerializeToString,
             response_deserializer=pb.StatusReply.FromString,
         )
@@ -149,18 +149,34 @@ def fetch_status(
 
 
 def _unreachable(address: str, exc: grpc.RpcError, *, tls: bool) -> str:
-    what = wire.describe_rpc_error(exc)
-    checks = [
-        f"that `fedtrain server` is running and listens on {address} (`address` in its "
-        "server.toml; a server on 0.0.0.0 is reached by this machine's name or IP)",
-        "that a firewall lets this machine reach that port",
-    ]
-    if tls:
-        checks.append(
-            "that --ca is the federation's ca.crt and --cert/--key a certificate it issued "
-            "(`fedtrain ca issue-site --name operator ...`; check it with `fedtrain ca check`), "
-            "and that the address is a name on the server's certificate (or pass --server-name)"
+    """The error and what to check: the likely cause when the error names it, else the list."""
+    what = rpc.describe_rpc_error(exc)
+    details = what.lower()
+    host = address.rsplit(":", 1)[0]
+    if "connection refused" in details:
+        hint = (
+            f"nothing listens on {address}: check that `fedtrain server` is running there and "
+            "that this is the `address` in its server.toml"
+        )
+    elif "hostname verification" in details:
+        hint = (
+            f"the server's certificate does not name {host!r}: dial a name it was issued for "
+            "(`fedtrain ca issue-server --hostname`), or pass --server-name NAME"
+        )
+    elif not tls and "socket closed" in details:
+        hint = (
+            "the server closed the plain connection, so it probably runs with TLS: pass "
+            "--ca/--cert/--key instead of --insecure"
         )
     else:
-        checks.append("that the server runs with --insecure too (else pass --ca/--cert/--key)")
-    return f"no answer from the server at {address} ({what}); check " + "; ".join(checks)
+        checks = [
+            f"that `fedtrain server` is running and listens on {address} (`address` in its "
+            "server.toml; a server on 0.0.0.0 is reached by this machine's name or IP)",
+            "that a firewall lets this machine reach that port",
+            "that --ca is the federation's ca.crt and --cert/--key a certificate it issued "
+            "(`fedtrain ca issue-site --name operator ...`; check it with `fedtrain ca check`)"
+            if tls
+            else "that the server runs with --insecure too (else pass --ca/--cert/--key)",
+        ]
+        hint = "check " + "; ".join(checks)
+    return f"no answer from the server at {address} ({what}); {hint}"

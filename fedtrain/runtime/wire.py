@@ -12,27 +12,21 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
 from fedtrain.errors import ProtocolError
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.rpc import SERVICE, method_path  # noqa: F401 (part of wire's API)
 from fedtrain.strategy import RoundConfig, Scalar
 from fedtrain.tensors import Chunk, ModelState, TensorSpec
 
 #: Bumped when server and site can no longer talk; a Join with another one is refused.
 PROTOCOL_VERSION = 1
-SERVICE = pb.DESCRIPTOR.services_by_name["Fedtrain"].full_name
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).
 SECAGG_CAPABILITY = "secagg"
-
-
-def method_path(name: str) -> str:
-    """The gRPC path of one of the Fedtrain service's methods."""
-    return f"/{SERVICE}/{name}"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -170,16 +164,3 @@ def serialize_stream_item(item: Chunk | Any) -> bytes:
     if isinstance(item, Chunk):
         return encode_chunk_message(item)
     return item.SerializeToString()
-
-
-def describe_rpc_error(exc: grpc.RpcError) -> str:
-    """A failed RPC as one line, with a hint when it looks like a TLS problem."""
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    text = f"{code.name if code else 'error'}: {details}"
-    if code is grpc.StatusCode.UNAVAILABLE and "handshake" in (details or "").lower():
-        text += (
-            " (the TLS handshake failed: check that this machine's certificate was issued by "
-            "the federation CA the server trusts, and that tls.ca is that CA)"
-        )
-    return text
