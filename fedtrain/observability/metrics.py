@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -49,8 +49,8 @@ METRICS: dict[str, str] = {
     "fedtrain_received_bytes_total": "Tensor bytes received from sites (uploads).",
     "fedtrain_sent_bytes_total": "Tensor bytes sent to sites (model downloads).",
     "fedtrain_round_duration_seconds": "Duration of completed rounds (histogram).",
-    "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation.",
-    "fedtrain_eval_loss": "Loss of the global model at its last evaluation.",
+    "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation (if any).",
+    "fedtrain_eval_loss": "Loss of the global model at its last evaluation (if any).",
     "fedtrain_uploads_accepted_total": "Updates received whole and aggregated.",
     "fedtrain_uploads_rejected_total": "Uploads refused (label code: gRPC status sent).",
     "fedtrain_uploads_aborted_total": "Uploads whose stream broke off midway.",
@@ -77,9 +77,6 @@ class ServerMetrics:
             base = name.removesuffix("_total")
             return Counter(base, METRICS[name], labels, registry=self.registry)
 
-        def gauge(name: str) -> Gauge:
-            return Gauge(name, METRICS[name], registry=self.registry)
-
         self.uploads_accepted = counter("fedtrain_uploads_accepted_total")
         self.uploads_rejected = counter("fedtrain_uploads_rejected_total", ("code",))
         self.uploads_aborted = counter("fedtrain_uploads_aborted_total")
@@ -95,9 +92,9 @@ class ServerMetrics:
             buckets=ROUND_SECONDS_BUCKETS,
             registry=self.registry,
         )
-        self.accuracy = gauge("fedtrain_eval_accuracy")
-        self.loss = gauge("fedtrain_eval_loss")
-        self.registry.register(LiveCollector(state, transfers))
+        #: The last evaluation (metric name -> value); absent until there was one.
+        self.evaluation: dict[str, float] = {}
+        self.registry.register(LiveCollector(state, transfers, lambda: self.evaluation))
 
     # -- feeds --------------------------------------------------------------------------
     def on_audit(self, event: str, fields: Mapping[str, Any]) -> None:
@@ -124,10 +121,13 @@ class ServerMetrics:
         """Take a completed round's metrics record."""
         if record.get("seconds") is not None:
             self.round_seconds.observe(float(record["seconds"]))
-        if record.get("accuracy") is not None:
-            self.accuracy.set(float(record["accuracy"]))
-        if record.get("loss") is not None:
-            self.loss.set(float(record["loss"]))
+        evaluated = {
+            f"fedtrain_eval_{key}": float(record[key])
+            for key in ("accuracy", "loss")
+            if record.get(key) is not None
+        }
+        if evaluated:  # replaced whole: a scrape on another thread never sees it change
+            self.evaluation = {**self.evaluation, **evaluated}
 
     # -- the endpoint --------------------------------------------------------------------
     def serve(self, address: str, port: int) -> int:
@@ -160,10 +160,14 @@ class LiveCollector(Collector):
     """What is true right now, read from the server at each scrape."""
 
     def __init__(
-        self, state: Callable[[], ServerState], transfers: Callable[[], tuple[int, int]]
+        self,
+        state: Callable[[], ServerState],
+        transfers: Callable[[], tuple[int, int]],
+        evaluation: Callable[[], Mapping[str, float]],
     ) -> None:
         self._state = state
         self._transfers = transfers
+        self._evaluation = evaluation
 
     def describe(self) -> list[Metric]:
         return []  # generated at scrape time; nothing to pre-register
@@ -185,6 +189,8 @@ class LiveCollector(Collector):
             ("fedtrain_rounds_planned", s.total_rounds),
             ("fedtrain_secure_aggregation", int(s.secagg)),
         ):
+            yield GaugeMetricFamily(name, METRICS[name], value=value)
+        for name, value in self._evaluation().items():  # none before the first evaluation
             yield GaugeMetricFamily(name, METRICS[name], value=value)
         seen = GaugeMetricFamily(
             "fedtrain_site_last_seen_seconds",

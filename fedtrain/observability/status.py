@@ -60,10 +60,10 @@ class ServerState:
 
 
 def _round_line(state: ServerState) -> str:
-    line = f"{state.round} of {state.total_rounds} ({state.rounds_completed} completed)"
-    if state.phase in ("training", "aggregating") and state.attempt > 1:
-        line += f", attempt {state.attempt}"
-    return line
+    if state.phase not in ("training", "aggregating"):
+        return f"{state.rounds_completed} of {state.total_rounds} completed"
+    line = f"{state.round} of {state.total_rounds} in progress ({state.rounds_completed} completed)"
+    return line + (f", attempt {state.attempt}" if state.attempt > 1 else "")
 
 
 def _summary(state: ServerState) -> list[tuple[str, str]]:

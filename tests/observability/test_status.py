@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from rich.console import Console
@@ -28,18 +29,20 @@ STATE = ServerState(
 def test_plain_text_has_one_fact_per_line():
     lines = render_text(STATE).splitlines()
     assert "phase: training: round in progress (sites train and upload)" in lines
-    assert "round: 3 of 10 (2 completed), attempt 2" in lines
+    assert "round: 3 of 10 in progress (2 completed), attempt 2" in lines
     assert "sites: 2 connected, 2 needed to start a round" in lines
     assert "secure aggregation: on" in lines
     assert "site hospital-a: connected 125s, last heard 0.4s ago" in lines
     assert lines[-1] == "last round (2): accuracy 0.9123, bytes 2048"
+    waiting = dataclasses.replace(STATE, phase="waiting", round=2, attempt=0, sites=())
+    assert "round: 2 of 10 completed" in render_text(waiting).splitlines()
 
 
 def test_rich_tables_and_json_carry_the_same_state():
     console = Console(record=True, width=100)
     render_rich(STATE, console)
     text = console.export_text()
-    for needle in ("hospital-a", "hospital-b", "3 of 10 (2 completed)", "last round (2)", "0.9123"):
+    for needle in ("hospital-a", "hospital-b", "3 of 10 in progress", "last round (2)", "0.9123"):
         assert needle in text
     assert json.loads(STATE.to_json())["sites"][1] == {
         "name": "hospital-b",

@@ -42,6 +42,7 @@ def test_metrics_follow_rounds_rejections_and_dropouts(tmp_path, stop_after) -> 
     assert idle["fedtrain_rounds_planned"] == 2
     assert idle["fedtrain_rounds_completed"] == 0
     assert idle["fedtrain_secure_aggregation"] == 0
+    assert "fedtrain_eval_accuracy" not in idle  # nothing evaluated yet
     run = server.coordinator.run_id
     assert idle[f'fedtrain_run_info{{run_id="{run}",task="runtime_support:TinyTask"}}'] == 1
 
