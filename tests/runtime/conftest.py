@@ -1,4 +1,4 @@
-"""Makes runtime_support importable here and in the processes the tests start."""
+"""Makes runtime_support importable here and in the processes the tests start; `stop_after`."""
 
 from __future__ import annotations
 
