@@ -1,4 +1,4 @@
-"""`fedtrain` command line: simulate | demo | server | client | ca.
+"""`fedtrain` command line: simulate | demo | server | client | status | report | ca.
 
 The CLI parses flags, sets up logging and turns `FedtrainError`s into one clear line
 and exit status 2; the work itself lives in the library.
@@ -178,6 +178,58 @@ def _device_list(text: str) -> list[str]:
     return devices
 
 
+# -- status ------------------------------------------------------------------------------
+def cmd_status(args: argparse.Namespace) -> int:
+    """Ask a running server where its federation stands (the Status RPC)."""
+    from rich.console import Console
+
+    from fedtrain.observability.status import render_rich, render_text
+    from fedtrain.runtime.status import fetch_status
+
+    if not args.verbose:  # the answer goes to stdout; keep "TLS: ..." info lines out of it
+        logging.getLogger("fedtrain").setLevel(logging.WARNING)
+    address, credentials, server_name = _status_target(args)
+    state = fetch_status(address, credentials, server_name=server_name, timeout_s=args.timeout)
+    if args.json:
+        print(state.to_json())
+    elif sys.stdout.isatty():
+        render_rich(state, Console())
+    else:
+        print(render_text(state))
+    return 0
+
+
+def _status_target(args: argparse.Namespace):
+    """(address, channel credentials or None, TLS server name) from the flags / site.toml."""
+    from fedtrain.errors import ConfigError
+    from fedtrain.runtime import tls
+
+    site = None
+    if args.config:  # imports torch (the config schema); plain flags stay light
+        from fedtrain.runtime.config import load_site_config
+
+        site = load_site_config(args.config)
+    address = args.server or (site.server if site else None)
+    if not address:
+        raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")
+    if args.insecure:
+        if args.ca or args.cert or args.key:
+            raise ConfigError("--insecure and --ca/--cert/--key exclude each other; pick one")
+        return address, None, ""
+    ca, cert, key = args.ca, args.cert, args.key
+    if site is not None:
+        ca, cert, key = ca or site.tls.ca, cert or site.tls.cert, key or site.tls.key
+    if not (ca and cert and key):
+        raise ConfigError(
+            "fedtrain status needs --ca, --cert and --key: the federation's ca.crt and a "
+            "certificate it issued (the operator's own: `fedtrain ca issue-site --ca-dir ca "
+            "--name operator --out operator`), or --config site.toml at a site; --insecure "
+            "only for a server started with --insecure"
+        )
+    server_name = args.server_name or (site.tls.server_name if site else "")
+    return address, tls.channel_credentials(cert, key, ca), server_name
+
+
 # -- report ------------------------------------------------------------------------------
 def cmd_report(args: argparse.Namespace) -> int:
     from fedtrain.observability.report import write_report
@@ -281,6 +333,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="override `nproc` (and `devices`): DDP on N CPU worker processes (gloo)",
     )
     client.set_defaults(func=cmd_client)
+
+    status = sub.add_parser("status", help="where a running federation stands")
+    status.add_argument("--server", metavar="HOST:PORT", help="the server's address")
+    status.add_argument(
+        "--config", type=Path, help="site.toml: take the server address and [tls] from it"
+    )
+    status.add_argument("--ca", type=Path, help="the federation's ca.crt")
+    status.add_argument("--cert", type=Path, help="a certificate issued by that CA")
+    status.add_argument("--key", type=Path, help="the key of --cert")
+    status.add_argument(
+        "--server-name",
+        dest="server_name",
+        default="",
+        help="host name on the server's certificate, when --server uses another name",
+    )
+    status.add_argument(
+        "--insecure", action="store_true", help="no TLS (a server started with --insecure)"
+    )
+    status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)"
+    )
+    status.set_defaults(func=cmd_status)
 
     report = sub.add_parser("report", help="plots and an HTML summary of a run directory")
     report.add_argument("run_dir", type=Path, help="a run directory (simulation or server)")

@@ -1,9 +1,11 @@
-"""Keep the README's config reference generated from the schema.
+"""Keep the README's reference tables generated from the code.
 
     python -m fedtrain.docgen            # rewrite README.md's reference tables in place
 
-Each table sits between `<!-- reference:NAME:start -->` and `<!-- reference:NAME:end -->`;
-a test fails when a table differs from what the code says.
+The config tables come from the config dataclasses, the Prometheus table from
+`fedtrain.observability.metrics.METRICS`. Each table sits between
+`<!-- reference:NAME:start -->` and `<!-- reference:NAME:end -->`; a test fails when a
+table differs from what the code says.
 """
 
 from __future__ import annotations
@@ -23,16 +25,27 @@ SECTIONS: dict[str, str] = {
 }
 
 HEADER = ["| key | type | default | meaning |", "|---|---|---|---|"]
+#: Every generated table's marker name: the config sections, then the metrics.
+TABLES = (*SECTIONS, "metrics")
+
+
+def metrics_table() -> str:
+    from fedtrain.observability.metrics import METRICS
+
+    rows = [f"| `{name}` | {meaning} |" for name, meaning in METRICS.items()]
+    return "\n".join(["| metric | meaning |", "|---|---|", *rows])
 
 
 def table(name: str) -> str:
+    if name == "metrics":
+        return metrics_table()
     module, _, cls = SECTIONS[name].partition(":")
     return "\n".join(HEADER + reference(getattr(importlib.import_module(module), cls)))
 
 
 def render(text: str) -> str:
     """`text` with every reference table regenerated."""
-    for name in SECTIONS:
+    for name in TABLES:
         pattern = re.compile(
             rf"(<!-- reference:{name}:start -->\n).*?(<!-- reference:{name}:end -->)", re.S
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -75,3 +76,28 @@ def test_report_from_the_cli(tmp_path):
     assert (run / "report" / "accuracy.png").stat().st_size > 5_000
     missing = fedtrain("report", str(tmp_path / "nope"), cwd=tmp_path)
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+
+
+def test_status_of_an_unreachable_server_says_what_to_check(tmp_path):
+    from fedtrain.runtime.demo import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    out = fedtrain("status", "--server", address, "--insecure", "--timeout", "5", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert f"no answer from the server at {address} (UNAVAILABLE" in out.stderr
+    assert f"nothing listens on {address}: check that `fedtrain server` is running" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+
+    with socket.socket() as silent:  # accepts connections (the backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        out = fedtrain("status", "--server", address, "--insecure", "--timeout", "1", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "(DEADLINE_EXCEEDED" in out.stderr
+    assert "firewall" in out.stderr and "runs with --insecure too" in out.stderr
+
+    out = fedtrain("status", "--server", address, cwd=tmp_path)  # neither TLS nor --insecure
+    assert out.returncode == 2
+    assert "needs --ca, --cert and --key" in out.stderr
+    assert "fedtrain ca issue-site --ca-dir ca --name operator" in out.stderr

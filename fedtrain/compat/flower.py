@@ -13,6 +13,16 @@ string. The client's arrays travel as buffers `p0, p1, ...` of a parameter-free
 module, so everything fedtrain does to a model (chunked transport, FedAvg, secure
 aggregation, checkpoints) applies unchanged. Each virtual client or site is one
 partition: the training "dataset" fedtrain partitions is the list of partition ids.
+
+In a deployment each site names its partition the way `flower-supernode
+--node-config "partition-id=0 num-partitions=2"` does, in site.toml:
+
+    [data]
+    source = "task"
+    options = { "partition-id" = 0 }    # the client's Context.node_config (any keys)
+
+The server builds the client of partition 0 once, only to read the initial arrays
+(`get_parameters`); it never calls `fit` or `evaluate` there.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from fedtrain.errors import ConfigError, TaskError
 from fedtrain.task import EvalResult, Task, TaskContext, TrainResult
@@ -103,6 +113,9 @@ class FlowerTask(Task):
         ref = client_fn if isinstance(client_fn, str) else self.client_fn.__qualname__
         self.version = f"flower:{ref}"  # part of the fingerprint sites must share
         self._clients: dict[int, Any] = {}
+        #: node_config of the partition a deployment site holds (`site_data`).
+        self._node_configs: dict[int, dict[str, Any]] = {}
+        self._home = 0  # the partition whose client provides `model()`
 
     def client(self, partition_id: int) -> Any:
         """The NumPyClient of one partition, built once and kept (clients may be stateful)."""
@@ -115,10 +128,15 @@ class FlowerTask(Task):
         if params and params[0] in ("context", "ctx"):
             from flwr.common import Context, RecordDict
 
+            node_config = {
+                "partition-id": partition_id,
+                "num-partitions": self.num_partitions,
+                **self._node_configs.get(partition_id, {}),
+            }
             context = Context(
                 run_id=0,
                 node_id=partition_id,
-                node_config={"partition-id": partition_id, "num-partitions": self.num_partitions},
+                node_config=node_config,
                 state=RecordDict(),
                 run_config=self.run_config,
             )
@@ -132,10 +150,29 @@ class FlowerTask(Task):
         return client
 
     def model(self) -> nn.Module:
-        return ArrayModule(self.client(0).get_parameters({}))
+        return ArrayModule(self.client(self._home).get_parameters({}))
 
     def datasets(self) -> tuple[Dataset, None]:
         return PartitionIds(self.num_partitions), None
+
+    def site_data(self, site_name: str, **node_config: Any) -> Dataset:
+        """A deployment site's data: the one partition its node_config names (see the
+        module docstring); the client_fn's Context gets that node_config."""
+        partition_id = node_config.get("partition-id")
+        if isinstance(partition_id, bool) or not isinstance(partition_id, int):
+            raise ConfigError(
+                f"site {site_name!r}: data.options must name this site's Flower partition, "
+                'e.g. options = { "partition-id" = 0 } (got '
+                f"{partition_id!r}); it is what `flower-supernode --node-config` passed"
+            )
+        if not 0 <= partition_id < self.num_partitions:
+            raise ConfigError(
+                f"site {site_name!r}: partition-id = {partition_id} must be in "
+                f"[0, {self.num_partitions}) (task_options.num_partitions)"
+            )
+        self._node_configs[partition_id] = dict(node_config)
+        self._home = partition_id  # the site builds only its own client
+        return Subset(PartitionIds(self.num_partitions), [partition_id])
 
     def labels(self, dataset: Dataset) -> torch.Tensor:
         raise TaskError(

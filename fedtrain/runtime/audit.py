@@ -11,10 +11,14 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+#: Called with (event, fields) after each record; e.g. the Prometheus counters.
+AuditListener = Callable[[str, Mapping[str, Any]], None]
 
 
 class AuditLog:
@@ -25,6 +29,12 @@ class AuditLog:
         self._lock = threading.Lock()
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a", encoding="utf-8")
+        self._listeners: list[AuditListener] = []
+
+    def subscribe(self, listener: AuditListener) -> None:
+        """Also hand every record to `listener` (every admission decision and round
+        outcome passes through here, so counting them needs no hooks elsewhere)."""
+        self._listeners.append(listener)
 
     def record(self, event: str, **fields: Any) -> None:
         line = json.dumps({"time": time.time(), "event": event, **fields}, sort_keys=True)
@@ -34,6 +44,8 @@ class AuditLog:
                 return
             self._file.write(line + "\n")
             self._file.flush()
+        for listener in self._listeners:
+            listener(event, fields)
 
     def close(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
+from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings, require_sum_only
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
@@ -123,6 +124,16 @@ class ServerConfig:
         "upload be taken back out of the sum; beyond it they go to a file under the run "
         "dir. Server memory is ~2x the model plus this; 0 keeps journals on disk only.",
     )
+    metrics_port: int = option(
+        0,
+        "Serve Prometheus metrics at http://metrics_address:metrics_port/metrics; 0: off.",
+    )
+    metrics_address: str = option(
+        "127.0.0.1",
+        "Interface of the metrics endpoint ('0.0.0.0' for all). Plain HTTP without "
+        "authentication: expose it only to your monitoring network.",
+    )
+    tensorboard: bool = option(False, TENSORBOARD_DOC)
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
@@ -139,6 +150,11 @@ class ServerConfig:
         _positive(self, "round_timeout_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(
+                f"metrics_port = {self.metrics_port} must be a TCP port (1..65535), or 0 for "
+                "no metrics endpoint"
+            )
         if self.max_round_attempts < 0:
             raise ConfigError(f"max_round_attempts must be >= 0, got {self.max_round_attempts}")
         if self.chunk_bytes + HEADER_ALLOWANCE > self.max_message_bytes:

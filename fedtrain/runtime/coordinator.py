@@ -76,11 +76,16 @@ class TransferCounter:
         self._lock = threading.Lock()
         self._in = 0
         self._out = 0
+        #: Since the server started, never reset (Prometheus counters read these).
+        self.total_in = 0
+        self.total_out = 0
 
     def add(self, received: int = 0, sent: int = 0) -> None:
         with self._lock:
             self._in += received
             self._out += sent
+            self.total_in += received
+            self.total_out += sent
 
     def take(self) -> tuple[int, int]:
         """(bytes in, bytes out) since the last call."""
@@ -352,6 +357,7 @@ class Coordinator:
             "bytes_in": bytes_in,
             "bytes_out": bytes_out,
             **self.strategy.aggregate_metrics(summary.results),
+            **self.strategy.round_metrics(),  # e.g. DP's epsilon, as in a simulation
             "loss": None,
             "accuracy": None,
         }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import sys
 import threading
@@ -67,21 +68,23 @@ def free_port() -> int:
 
 
 def dump_toml(data: Mapping[str, Any]) -> str:
-    """TOML text for nested tables of scalars and lists (what server/site.toml hold)."""
+    """TOML text for what server/site.toml hold: scalars and lists, top-level mappings
+    as `[tables]`, mappings inside those as inline tables."""
     lines: list[str] = []
     tables: list[tuple[str, Mapping[str, Any]]] = []
     for key, value in data.items():
         if isinstance(value, Mapping):
             tables.append((key, value))
         else:
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
     for name, table in tables:
-        body = dump_toml({k: v for k, v in table.items()})
-        nested = [ln for ln in body.splitlines() if ln.startswith("[")]
-        if nested:
-            raise ValueError(f"dump_toml supports one level of tables; [{name}] nests tables")
-        lines += ["", f"[{name}]", body.rstrip()]
+        lines += ["", f"[{_toml_key(name)}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines).strip() + "\n"
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _toml_value(value: Any) -> str:
@@ -93,6 +96,9 @@ def _toml_value(value: Any) -> str:
         return json.dumps(str(value))  # a JSON string is a valid TOML basic string
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
     raise ValueError(f"cannot write {value!r} to TOML")
 
 

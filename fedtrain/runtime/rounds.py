@@ -22,7 +22,7 @@ import grpc
 from fedtrain.errors import UpdateRejected
 from fedtrain.runtime.sessions import Session
 from fedtrain.runtime.upload import Piece, UpdateSpool
-from fedtrain.strategy import RoundConfig, WeightedSum
+from fedtrain.strategy import RoundConfig
 from fedtrain.strategy.aggregate import Aggregator
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class RoundState:
         Aggregators that need whole updates get it at `commit` instead. Refused once the
         attempt closed (`close` took the site's folded chunks back out).
         """
-        if not isinstance(self.aggregate, WeightedSum):
+        if not self.aggregate.additive:
             return
         with self._cond:
             if self.closed or site not in self.uploading:

@@ -1,5 +1,9 @@
 """The aggregation server: gRPC service + coordinator thread + heartbeat watchdog.
 
+It also owns the observers of the run: Prometheus metrics (fed by the audit log and
+the per-round records; served when `metrics_port` is set) and, with `tensorboard =
+true`, a TensorBoard writer for the per-round records.
+
 `AggregationServer` owns everything it starts (gRPC threads, the round loop, the
 watchdog) and stops all of it in `stop()`, so the CLI, the demo and tests can run
 it in-process or as a process and leave nothing behind.
@@ -13,10 +17,13 @@ import threading
 from concurrent import futures
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import grpc
 
 from fedtrain.errors import ConfigError
+from fedtrain.observability.metrics import ServerMetrics
+from fedtrain.observability.tensorboard import TensorBoardWriter
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import AuditLog
@@ -24,6 +31,7 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, RoundCallback
 from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.runtime.status import server_state
 from fedtrain.runtime.upload import remove_stale_spools
 from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
@@ -72,6 +80,14 @@ class AggregationServer:
         self.registry = SessionRegistry()
         self.audit = AuditLog(self.run_dir.path / "audit.jsonl")
         self.registry.on_leave(self._audit_leave)
+        self.metrics = ServerMetrics(
+            lambda: server_state(self.coordinator, self.registry), self._bytes_transferred
+        )
+        self.audit.subscribe(self.metrics.on_audit)
+        self._tensorboard = TensorBoardWriter(self.run_dir.path) if config.tensorboard else None
+        self._round_observers = [
+            o for o in (self.metrics.on_round, self._tensorboard, on_round) if o is not None
+        ]
         self.coordinator = Coordinator(
             config,
             self.task,
@@ -80,7 +96,7 @@ class AggregationServer:
             self.registry,
             self.audit,
             resume=resume,
-            on_round=on_round,
+            on_round=self._observe_round,
         )
         self.servicer = FedtrainServicer(
             config,
@@ -94,6 +110,8 @@ class AggregationServer:
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.port: int | None = None
+        #: The Prometheus endpoint's port once started (None: metrics_port = 0, off).
+        self.metrics_port: int | None = None
 
     @property
     def finished(self) -> threading.Event:
@@ -120,6 +138,14 @@ class AggregationServer:
             raise ConfigError(f"cannot listen on address = {address!r}: {exc}") from None
         if port == 0:
             raise ConfigError(f"cannot listen on address = {address!r} (in use or not local?)")
+        if self.config.metrics_port:
+            try:
+                self.metrics_port = self.metrics.serve(
+                    self.config.metrics_address, self.config.metrics_port
+                )
+            except ConfigError:
+                server.stop(None)
+                raise
         server.start()
         self._grpc = server
         self.port = port
@@ -153,6 +179,14 @@ class AggregationServer:
                 )
                 self.registry.remove(session, "heartbeat timeout")
 
+    def _observe_round(self, record: dict[str, Any]) -> None:
+        for observe in self._round_observers:
+            observe(record)
+
+    def _bytes_transferred(self) -> tuple[int, int]:
+        transfers = self.coordinator.transfers
+        return transfers.total_in, transfers.total_out
+
     def _audit_leave(self, session: Session, reason: str) -> None:
         log.info("site %r left: %s", session.site, reason)
         self.audit.record("leave", site=session.site, reason=reason)
@@ -175,6 +209,9 @@ class AggregationServer:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint
                 log.warning("thread %s did not stop within %.0fs", thread.name, grace + 5.0)
+        self.metrics.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         self.audit.close()
 
     def __enter__(self) -> AggregationServer:

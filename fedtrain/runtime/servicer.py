@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
@@ -20,7 +19,7 @@ from typing import NoReturn
 import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
-from fedtrain.runtime import tls, wire
+from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator
@@ -418,30 +417,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
 
     # -- Status ------------------------------------------------------------------------------
     def Status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatusReply:
-        now = time.monotonic()
-        coordinator = self.coordinator
-        state = coordinator.current
-        metrics = {
-            k: float(v)
-            for k, v in coordinator.last_metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        return pb.StatusReply(
-            run_id=coordinator.run_id,
-            round=state.round if state is not None else coordinator.global_model.round,
-            total_rounds=self.config.rounds,
-            sites=[
-                pb.SiteStatus(
-                    name=s.site,
-                    connected_for_s=now - s.joined_at,
-                    last_heartbeat_age_s=now - s.last_seen,
-                )
-                for s in self.registry.sessions()
-            ],
-            last_metrics=metrics,
-            model_version=coordinator.global_model.version,
-            finished=coordinator.finished.is_set(),
-        )
+        return status.to_proto(status.server_state(self.coordinator, self.registry))
 
 
 def _reject(reason: str) -> pb.ServerMessage:

@@ -37,7 +37,7 @@ from fedtrain.errors import (
     WorkerGroupError,
 )
 from fedtrain.parallel import TorchrunGroup
-from fedtrain.runtime import tls, wire
+from fedtrain.runtime import rpc, tls, wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site_data import site_dataset
@@ -181,7 +181,7 @@ class SiteDaemon:
                 except grpc.RpcError as exc:
                     if self._stop.is_set():
                         break
-                    failure = _describe(exc)
+                    failure = rpc.describe_rpc_error(exc)
                     # Warn once per kind of failure; a server that stays down is one story.
                     level = logging.INFO if failure == last_failure else logging.WARNING
                     log.log(level, "connection to %s failed: %s", self.config.server, failure)
@@ -381,9 +381,9 @@ class SiteDaemon:
             log.warning(
                 "round %d: the server refused or lost the transfer: %s",
                 server_round,
-                _describe(exc),
+                rpc.describe_rpc_error(exc),
             )
-            link.report(server_round, _describe(exc))
+            link.report(server_round, rpc.describe_rpc_error(exc))
         except RoundSuperseded as exc:
             log.info("round %d abandoned: %s", server_round, exc)
         except WorkerGroupError as exc:  # the ranks' tracebacks are logged already
@@ -539,15 +539,3 @@ def _heartbeat(link: Link, interval_s: float) -> None:
     while not link.closed.wait(interval_s):
         sequence += 1
         link.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=sequence)))
-
-
-def _describe(exc: grpc.RpcError) -> str:
-    code = exc.code() if isinstance(exc, grpc.Call) else None
-    details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-    text = f"{code.name if code else 'error'}: {details}"
-    if code is grpc.StatusCode.UNAVAILABLE and "handshake" in (details or "").lower():
-        text += (
-            " (the TLS handshake failed: check that this site's certificate was issued by "
-            "the federation CA the server trusts, and that tls.ca is that CA)"
-        )
-    return text

@@ -23,21 +23,16 @@ import torch
 
 from fedtrain.errors import ProtocolError
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.rpc import SERVICE, method_path  # noqa: F401 (part of wire's API)
 from fedtrain.strategy import RoundConfig, Scalar
 from fedtrain.tensors import Chunk, ModelState, TensorSpec
 
 #: Bumped when server and site can no longer talk; a Join with another one is refused.
 PROTOCOL_VERSION = 1
-SERVICE = pb.DESCRIPTOR.services_by_name["Fedtrain"].full_name
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).
 SECAGG_CAPABILITY = "secagg"
-
-
-def method_path(name: str) -> str:
-    """The gRPC path of one of the Fedtrain service's methods."""
-    return f"/{SERVICE}/{name}"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:

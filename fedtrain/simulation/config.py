@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
+from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.strategy import Strategy, build_strategy
 
 
@@ -106,6 +107,7 @@ class SimConfig:
     )
     run_dir: str = option("runs/simulation", "Directory for config, metrics and models.")
     eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
+    tensorboard: bool = option(False, TENSORBOARD_DOC)
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     heterogeneity: HeterogeneityConfig = section(

@@ -20,6 +20,7 @@ import numpy as np
 from torch import nn
 from torch.utils.data import Dataset
 
+from fedtrain.observability.tensorboard import observing
 from fedtrain.run_dir import RunDir
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
@@ -83,7 +84,10 @@ def run_simulation(
     setup = WorkerSetup(task, config, global_state.specs)
     rng = np.random.default_rng(config.seed)
     result = SimulationResult(global_state)
-    with open_backend(config, setup, (train, population)) as backend:
+    with (
+        observing(config.tensorboard, run_dir.path, on_round) as on_round,
+        open_backend(config, setup, (train, population)) as backend,
+    ):
         log.info(
             "simulating %d clients on the %s backend with %d workers",
             len(population),

@@ -69,6 +69,11 @@ class Aggregator:
     update. Values are validated (known tensor, dtype, range, finite) before use.
     """
 
+    #: True when `add_chunk` adds into a running sum, so chunks may be folded as they
+    #: arrive and taken back out with a negative weight (`add_checked_chunk`); False
+    #: when it stages a whole update until `commit` (clipping, median, Krum...).
+    additive: bool = False
+
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         self.specs = {s.name: s for s in specs}
         self.total_weight = 0.0
@@ -126,6 +131,8 @@ class Aggregator:
 
 class WeightedSum(Aggregator):
     """Accumulates sum_i w_i * delta_i tensor by tensor: O(model) memory for any N."""
+
+    additive = True
 
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__(specs)

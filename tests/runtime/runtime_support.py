@@ -13,6 +13,7 @@ import queue
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,21 @@ from typing import Any
 import grpc
 import psutil
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from fedtrain.config import from_dict
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.demo import dump_toml, fedtrain_command, free_port, tail
 from fedtrain.runtime.lifecycle import ProcessGroup
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.server import AggregationServer
 from fedtrain.strategy import RoundConfig
-from fedtrain.task import TaskContext, TorchTask, TrainResult
+from fedtrain.task import Task, TaskContext, TorchTask, TrainResult
 
 HERE = Path(__file__).resolve().parent
 
@@ -82,6 +87,45 @@ class Bf16Task(TinyTask):
 
     def model(self) -> nn.Module:
         return Bf16Net()
+
+
+# -- the server in this process ------------------------------------------------------------------
+#: Chunk size of in-process test servers: small, so every tensor spans several messages.
+CHUNK = 16
+
+
+def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> AggregationServer:
+    """A started insecure server for `task` on a free port, in this process (stop it)."""
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 3,
+        "round_timeout_s": 30.0,
+        "chunk_bytes": CHUNK,
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        **extra,
+    }
+    raw["strategy"] = {
+        "min_fit_clients": sites,
+        "min_available_clients": sites,
+        **extra.get("strategy", {}),
+    }
+    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
+    server.start()
+    return server
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Prometheus samples at http://127.0.0.1:PORT/metrics as {'name{label="v"}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
 
 
 # -- a hand-driven site over the generated stub -------------------------------------------------

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from runtime_support import Deployment, FakeSite, TinyTask, wait_for
+from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
@@ -53,26 +53,14 @@ CLIENT = {"epochs": 1, "batch_size": 16, "lr": 0.1}
 
 # -- in-process harness -------------------------------------------------------------------------
 def _server(tmp_path: Path, task: TinyTask, sites: int, **extra: Any) -> AggregationServer:
-    raw = {
-        "task": "runtime_support:TinyTask",
-        "address": "127.0.0.1:0",
-        "run_dir": str(tmp_path / "run"),
+    defaults = {
         "rounds": 1,
         "round_timeout_s": 60.0,
         "chunk_bytes": 64,  # a masked vector spans many chunks
-        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
         "client": CLIENT,
         "secagg": SECAGG,
-        **extra,
     }
-    raw["strategy"] = {
-        "min_fit_clients": sites,
-        "min_available_clients": sites,
-        **raw.get("strategy", {}),
-    }
-    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
-    server.start()
-    return server
+    return inprocess_server(tmp_path, task, sites, **{**defaults, **extra})
 
 
 def _daemon(server: AggregationServer, task: TinyTask, name: str, part: int, **site: Any) -> Any:

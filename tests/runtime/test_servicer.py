@@ -9,52 +9,32 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
-from runtime_support import Bf16Task, FakeSite, TinyTask, chunk_messages, wait_for
+from runtime_support import (
+    CHUNK,
+    Bf16Task,
+    FakeSite,
+    TinyTask,
+    chunk_messages,
+    inprocess_server,
+    wait_for,
+)
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
 from fedtrain.runtime.audit import read_audit
-from fedtrain.runtime.config import ServerConfig, SiteConfig
+from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
 from fedtrain.strategy import WeightedSum
 from fedtrain.strategy.aggregate import apply_mean_delta
-from fedtrain.task import Task, task_fingerprint
+from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, StateAssembler
-
-CHUNK = 16  # small chunks: every tensor spans several messages
-
-
-def _server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> AggregationServer:
-    raw = {
-        "task": "runtime_support:TinyTask",
-        "address": "127.0.0.1:0",
-        "run_dir": str(tmp_path / "run"),
-        "rounds": 3,
-        "round_timeout_s": 30.0,
-        "chunk_bytes": CHUNK,
-        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
-        "strategy": {"min_fit_clients": sites, "min_available_clients": sites},
-        **extra,
-    }
-    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
-    server.start()
-    return server
-
-
-@pytest.fixture
-def stop_after() -> Iterator[list[Any]]:
-    owned: list[Any] = []
-    yield owned
-    for thing in reversed(owned):
-        thing.stop() if hasattr(thing, "stop") else thing.close()
 
 
 def _audit(server: AggregationServer) -> list[dict[str, Any]]:
@@ -77,7 +57,7 @@ def _refused(site: FakeSite, messages: list[pb.UpdateChunk]) -> grpc.RpcError:
 
 def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
     task = TinyTask()
-    server = _server(tmp_path, task, sites=2)
+    server = inprocess_server(tmp_path, task, sites=2)
     stop_after.append(server)
     fp = task_fingerprint(task)
     a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
@@ -183,7 +163,7 @@ def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> 
 
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
     task = Bf16Task()
-    server = _server(tmp_path, task, rounds=1)
+    server = inprocess_server(tmp_path, task, rounds=1)
     stop_after.append(server)
     # Values a lossy path would change: -0.0, subnormal, extremes of bf16.
     with torch.no_grad():
@@ -218,7 +198,7 @@ def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
 def test_cached_model_is_not_downloaded_again(tmp_path, stop_after) -> None:
     """A failed round is retried with the same model: the site trains it from its cache."""
     task = TinyTask()
-    server = _server(tmp_path, task, sites=2, rounds=2)
+    server = inprocess_server(tmp_path, task, sites=2, rounds=2)
     stop_after.append(server)
     config = from_dict(SiteConfig, {"task": "runtime_support:TinyTask", "name": "real"})
     config.server = f"127.0.0.1:{server.port}"
@@ -259,7 +239,9 @@ def test_cached_model_is_not_downloaded_again(tmp_path, stop_after) -> None:
 
 def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop_after) -> None:
     task = TinyTask()
-    server = _server(tmp_path, task, sites=2, heartbeat={"interval_s": 0.2, "timeout_s": 1.0})
+    server = inprocess_server(
+        tmp_path, task, sites=2, heartbeat={"interval_s": 0.2, "timeout_s": 1.0}
+    )
     stop_after.append(server)
     quiet = FakeSite(server.port, "quiet", task_fingerprint(task))
     stop_after.append(quiet)

@@ -1,0 +1,211 @@
+"""Prometheus metrics of the aggregation server (`metrics_port` in server.toml).
+
+Three sources feed them, so the round loop needs no Prometheus code of its own:
+
+- the live state (`ServerState` plus the byte totals), read by a collector at scrape
+  time: connected sites, round, phase, bytes in and out;
+- the audit log's records, which every admission decision and round outcome passes
+  through: uploads accepted, rejected and aborted, refused joins and requests,
+  dropouts, failed sites and failed round attempts;
+- each completed round's metrics record: its duration, the evaluated accuracy and loss.
+
+Each server gets its own `CollectorRegistry` (never the process-global one), so tests
+and several servers in one process never clash. `METRICS` lists every name, for the
+README's table and the tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from fedtrain.errors import ConfigError
+from fedtrain.observability.status import PHASES, ServerState
+
+log = logging.getLogger(__name__)
+
+#: Round durations range from a fraction of a second (tests) to hours (large models).
+ROUND_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+
+#: Every metric the server exports (Prometheus name -> meaning).
+METRICS: dict[str, str] = {
+    "fedtrain_run_info": "Always 1; labels run_id and task name the run.",
+    "fedtrain_connected_sites": "Sites connected right now.",
+    "fedtrain_sites_required": "Sites that must be connected before a round starts.",
+    "fedtrain_site_last_seen_seconds": "Seconds since each connected site (label site) was heard.",
+    "fedtrain_round": "The round in progress, or the last completed one between rounds.",
+    "fedtrain_round_attempt": "Attempt of the round in progress (retried when too few report).",
+    "fedtrain_rounds_completed": "Rounds completed in this run (survives --resume).",
+    "fedtrain_rounds_planned": "Rounds the run is configured for.",
+    "fedtrain_phase": "1 for the server's current phase (label phase), 0 for the others.",
+    "fedtrain_secure_aggregation": "1 when the server runs secure aggregation.",
+    "fedtrain_received_bytes_total": "Tensor bytes received from sites (uploads).",
+    "fedtrain_sent_bytes_total": "Tensor bytes sent to sites (model downloads).",
+    "fedtrain_round_duration_seconds": "Duration of completed rounds (histogram).",
+    "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation (if any).",
+    "fedtrain_eval_loss": "Loss of the global model at its last evaluation (if any).",
+    "fedtrain_uploads_accepted_total": "Updates received whole and aggregated.",
+    "fedtrain_uploads_rejected_total": "Uploads refused (label code: gRPC status sent).",
+    "fedtrain_uploads_aborted_total": "Uploads whose stream broke off midway.",
+    "fedtrain_requests_refused_total": "Bulk requests without a valid session (label code).",
+    "fedtrain_joins_total": "Sites admitted (reconnects count again).",
+    "fedtrain_joins_refused_total": "Joins refused (allow-list, fingerprint, version, ...).",
+    "fedtrain_dropouts_total": "Chosen sites that left or missed the deadline, per round attempt.",
+    "fedtrain_site_failures_total": "Chosen sites that reported an error, per round attempt.",
+    "fedtrain_round_attempts_failed_total": "Round attempts retried for too few updates.",
+}
+
+
+class ServerMetrics:
+    """One server's metrics: `on_audit` and `on_round` feed them, `serve` exposes them."""
+
+    def __init__(
+        self, state: Callable[[], ServerState], transfers: Callable[[], tuple[int, int]]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+        def counter(name: str, labels: tuple[str, ...] = ()) -> Counter:
+            base = name.removesuffix("_total")
+            return Counter(base, METRICS[name], labels, registry=self.registry)
+
+        self.uploads_accepted = counter("fedtrain_uploads_accepted_total")
+        self.uploads_rejected = counter("fedtrain_uploads_rejected_total", ("code",))
+        self.uploads_aborted = counter("fedtrain_uploads_aborted_total")
+        self.requests_refused = counter("fedtrain_requests_refused_total", ("code",))
+        self.joins = counter("fedtrain_joins_total")
+        self.joins_refused = counter("fedtrain_joins_refused_total")
+        self.dropouts = counter("fedtrain_dropouts_total")
+        self.site_failures = counter("fedtrain_site_failures_total")
+        self.attempts_failed = counter("fedtrain_round_attempts_failed_total")
+        self.round_seconds = Histogram(
+            "fedtrain_round_duration_seconds",
+            METRICS["fedtrain_round_duration_seconds"],
+            buckets=ROUND_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        #: The last evaluation (metric name -> value); absent until there was one.
+        self.evaluation: dict[str, float] = {}
+        self.registry.register(LiveCollector(state, transfers, lambda: self.evaluation))
+
+    # -- feeds --------------------------------------------------------------------------
+    def on_audit(self, event: str, fields: Mapping[str, Any]) -> None:
+        """Count one audit record (an `AuditLog` listener)."""
+        if event == "upload":
+            self.uploads_accepted.inc()
+        elif event == "upload_rejected":
+            self.uploads_rejected.labels(fields.get("code", "UNKNOWN")).inc()
+        elif event == "upload_aborted":
+            self.uploads_aborted.inc()
+        elif event == "request_refused":
+            self.requests_refused.labels(fields.get("code", "UNKNOWN")).inc()
+        elif event == "join":
+            self.joins.inc()
+        elif event == "join_refused":
+            self.joins_refused.inc()
+        elif event in ("round_completed", "round_failed"):
+            self.dropouts.inc(len(fields.get("dropped", ())))
+            self.site_failures.inc(len(fields.get("failed", ())))
+            if event == "round_failed":
+                self.attempts_failed.inc()
+
+    def on_round(self, record: Mapping[str, Any]) -> None:
+        """Take a completed round's metrics record."""
+        if record.get("seconds") is not None:
+            self.round_seconds.observe(float(record["seconds"]))
+        evaluated = {
+            f"fedtrain_eval_{key}": float(record[key])
+            for key in ("accuracy", "loss")
+            if record.get(key) is not None
+        }
+        if evaluated:  # replaced whole: a scrape on another thread never sees it change
+            self.evaluation = {**self.evaluation, **evaluated}
+
+    # -- the endpoint --------------------------------------------------------------------
+    def serve(self, address: str, port: int) -> int:
+        """Serve `http://address:port/metrics` on a daemon thread; returns the bound port."""
+        try:
+            self._httpd, self._thread = start_http_server(
+                port, addr=address, registry=self.registry
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve Prometheus metrics on {address}:{port} (metrics_address, "
+                f"metrics_port in server.toml): {exc}; pick a free port"
+            ) from None
+        bound = int(self._httpd.server_port)
+        log.info("Prometheus metrics on http://%s:%d/metrics", address, bound)
+        return bound
+
+    def close(self) -> None:
+        """Stop the endpoint (idempotent)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+
+class LiveCollector(Collector):
+    """What is true right now, read from the server at each scrape."""
+
+    def __init__(
+        self,
+        state: Callable[[], ServerState],
+        transfers: Callable[[], tuple[int, int]],
+        evaluation: Callable[[], Mapping[str, float]],
+    ) -> None:
+        self._state = state
+        self._transfers = transfers
+        self._evaluation = evaluation
+
+    def describe(self) -> list[Metric]:
+        return []  # generated at scrape time; nothing to pre-register
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state()
+        received, sent = self._transfers()
+        info = GaugeMetricFamily(
+            "fedtrain_run_info", METRICS["fedtrain_run_info"], labels=["run_id", "task"]
+        )
+        info.add_metric([s.run_id, s.task], 1)
+        yield info
+        for name, value in (
+            ("fedtrain_connected_sites", len(s.sites)),
+            ("fedtrain_sites_required", s.min_sites),
+            ("fedtrain_round", s.round),
+            ("fedtrain_round_attempt", s.attempt),
+            ("fedtrain_rounds_completed", s.rounds_completed),
+            ("fedtrain_rounds_planned", s.total_rounds),
+            ("fedtrain_secure_aggregation", int(s.secagg)),
+        ):
+            yield GaugeMetricFamily(name, METRICS[name], value=value)
+        for name, value in self._evaluation().items():  # none before the first evaluation
+            yield GaugeMetricFamily(name, METRICS[name], value=value)
+        seen = GaugeMetricFamily(
+            "fedtrain_site_last_seen_seconds",
+            METRICS["fedtrain_site_last_seen_seconds"],
+            labels=["site"],
+        )
+        for site in s.sites:
+            seen.add_metric([site.name], site.last_heartbeat_age_s)
+        yield seen
+        phase = GaugeMetricFamily("fedtrain_phase", METRICS["fedtrain_phase"], labels=["phase"])
+        for name in PHASES:
+            phase.add_metric([name], int(name == s.phase))
+        yield phase
+        for name, value in (
+            ("fedtrain_received_bytes_total", received),
+            ("fedtrain_sent_bytes_total", sent),
+        ):
+            yield CounterMetricFamily(name.removesuffix("_total"), METRICS[name], value=value)

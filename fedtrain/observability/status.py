@@ -1,0 +1,127 @@
+"""The live state of a federation, as `fedtrain status` shows it and Prometheus scrapes it.
+
+`ServerState` is a plain snapshot (no locks, no gRPC types), built on the server from
+its coordinator (`fedtrain.runtime.status`), sent in the Status RPC and rebuilt on the
+other side. The renderers here turn it into a rich table for a terminal, plain
+`key: value` lines for logs and scripts, or JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group
+from rich.table import Table
+
+#: What the server is doing. Prometheus exports one `fedtrain_phase{phase=...}` per value.
+PHASES = ("waiting", "training", "aggregating", "between_rounds", "finished", "stopped", "failed")
+
+PHASE_TEXT = {
+    "waiting": "waiting for sites to connect",
+    "training": "round in progress (sites train and upload)",
+    "aggregating": "aggregating, checkpointing and evaluating",
+    "between_rounds": "starting the next round",
+    "finished": "run complete",
+    "stopped": "stopped before the last round (resume with --resume)",
+    "failed": "the round loop failed (see the server's log)",
+}
+
+
+@dataclass(frozen=True)
+class SiteState:
+    name: str
+    connected_for_s: float
+    last_heartbeat_age_s: float
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """A federation at one instant; `round` is the round in progress, else the last done."""
+
+    run_id: str
+    task: str
+    phase: str
+    round: int
+    attempt: int
+    total_rounds: int
+    rounds_completed: int
+    min_sites: int
+    secagg: bool
+    model_version: str
+    finished: bool
+    sites: tuple[SiteState, ...] = ()
+    last_metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def _round_line(state: ServerState) -> str:
+    if state.phase not in ("training", "aggregating"):
+        return f"{state.rounds_completed} of {state.total_rounds} completed"
+    line = f"{state.round} of {state.total_rounds} in progress ({state.rounds_completed} completed)"
+    return line + (f", attempt {state.attempt}" if state.attempt > 1 else "")
+
+
+def _summary(state: ServerState) -> list[tuple[str, str]]:
+    return [
+        ("run", state.run_id),
+        ("task", state.task),
+        ("phase", f"{state.phase}: {PHASE_TEXT.get(state.phase, '')}"),
+        ("round", _round_line(state)),
+        ("sites", f"{len(state.sites)} connected, {state.min_sites} needed to start a round"),
+        ("secure aggregation", "on" if state.secagg else "off"),
+        ("model", state.model_version[:12]),
+    ]
+
+
+def _value(value: float) -> str:
+    return f"{value:.0f}" if float(value).is_integer() else f"{value:.4g}"
+
+
+def render_text(state: ServerState) -> str:
+    """Plain lines: for logs, pipes and scripts that grep."""
+    lines = [f"{key}: {value}" for key, value in _summary(state)]
+    for site in state.sites:
+        lines.append(
+            f"site {site.name}: connected {site.connected_for_s:.0f}s, last heard "
+            f"{site.last_heartbeat_age_s:.1f}s ago"
+        )
+    if state.last_metrics:
+        done = _value(state.last_metrics.get("round", state.rounds_completed))
+        metrics = ", ".join(
+            f"{k} {_value(v)}" for k, v in sorted(state.last_metrics.items()) if k != "round"
+        )
+        lines.append(f"last round ({done}): {metrics}")
+    return "\n".join(lines)
+
+
+def render_rich(state: ServerState, console: Console) -> None:
+    """Tables for an interactive terminal."""
+    overview = Table.grid(padding=(0, 2))
+    overview.add_column(style="bold")
+    overview.add_column()
+    for key, value in _summary(state):
+        overview.add_row(key, value)
+    sites = Table(title="connected sites", title_justify="left")
+    sites.add_column("site")
+    sites.add_column("connected for", justify="right")
+    sites.add_column("last heard", justify="right")
+    for site in state.sites:
+        sites.add_row(
+            site.name, f"{site.connected_for_s:.0f} s", f"{site.last_heartbeat_age_s:.1f} s ago"
+        )
+    parts: list[Table] = [overview, sites]
+    if state.last_metrics:
+        done = _value(state.last_metrics.get("round", state.rounds_completed))
+        metrics = Table(title=f"last round ({done})", title_justify="left")
+        metrics.add_column("metric")
+        metrics.add_column("value", justify="right")
+        for key, value in sorted(state.last_metrics.items()):
+            if key != "round":
+                metrics.add_row(key, _value(value))
+        parts.append(metrics)
+    console.print(Group(*parts))

@@ -1,0 +1,182 @@
+"""Where a running federation stands: built from the coordinator, carried by the Status RPC.
+
+The server side (`server_state`) reads the coordinator's live objects without taking
+its locks: every field it reads is replaced as a whole (the global model, the round
+state), so a snapshot may be a moment stale but is never torn. The Status RPC and the
+Prometheus collector both use it, so `fedtrain status` and a dashboard never disagree.
+The client side (`fetch_status`) is what `fedtrain status` calls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from fedtrain.errors import FedtrainError
+from fedtrain.observability.status import ServerState, SiteState
+from fedtrain.runtime import rpc
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+
+if TYPE_CHECKING:
+    from fedtrain.runtime.coordinator import Coordinator
+    from fedtrain.runtime.sessions import SessionRegistry
+
+
+class ServerUnreachable(FedtrainError):
+    """`fedtrain status` could not get an answer from the server."""
+
+
+def phase(coordinator: Coordinator, connected: int) -> str:
+    """One of `fedtrain.observability.status.PHASES`."""
+    if coordinator.finished.is_set():
+        if coordinator.error is not None:
+            return "failed"
+        done = coordinator.global_model.round >= coordinator.config.rounds
+        return "finished" if done else "stopped"
+    state = coordinator.current
+    if state is not None:
+        return "aggregating" if state.closed else "training"
+    if connected < coordinator.strategy.min_available_clients:
+        return "waiting"
+    return "between_rounds"
+
+
+def server_state(coordinator: Coordinator, registry: SessionRegistry) -> ServerState:
+    """A snapshot of the federation (see the module docstring)."""
+    now = time.monotonic()
+    sessions = registry.sessions()
+    state = coordinator.current
+    model = coordinator.global_model
+    metrics = {
+        k: float(v)
+        for k, v in coordinator.last_metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    return ServerState(
+        run_id=coordinator.run_id,
+        task=coordinator.config.task,
+        phase=phase(coordinator, len(sessions)),
+        round=state.round if state is not None else model.round,
+        attempt=state.attempt if state is not None else 0,
+        total_rounds=coordinator.config.rounds,
+        rounds_completed=model.round,
+        min_sites=coordinator.strategy.min_available_clients,
+        secagg=coordinator.secagg is not None,
+        model_version=model.version,
+        finished=coordinator.finished.is_set(),
+        sites=tuple(
+            SiteState(s.site, now - s.joined_at, now - s.last_seen)
+            for s in sorted(sessions, key=lambda s: s.site)
+        ),
+        last_metrics=metrics,
+    )
+
+
+def to_proto(state: ServerState) -> pb.StatusReply:
+    return pb.StatusReply(
+        run_id=state.run_id,
+        task=state.task,
+        phase=state.phase,
+        round=state.round,
+        attempt=state.attempt,
+        total_rounds=state.total_rounds,
+        rounds_completed=state.rounds_completed,
+        min_sites=state.min_sites,
+        secagg=state.secagg,
+        model_version=state.model_version,
+        finished=state.finished,
+        sites=[
+            pb.SiteStatus(
+                name=s.name,
+                connected_for_s=s.connected_for_s,
+                last_heartbeat_age_s=s.last_heartbeat_age_s,
+            )
+            for s in state.sites
+        ],
+        last_metrics=dict(state.last_metrics),
+    )
+
+
+def from_proto(reply: pb.StatusReply) -> ServerState:
+    return ServerState(
+        run_id=reply.run_id,
+        task=reply.task,
+        phase=reply.phase,
+        round=reply.round,
+        attempt=reply.attempt,
+        total_rounds=reply.total_rounds,
+        rounds_completed=reply.rounds_completed,
+        min_sites=reply.min_sites,
+        secagg=reply.secagg,
+        model_version=reply.model_version,
+        finished=reply.finished,
+        sites=tuple(
+            SiteState(s.name, s.connected_for_s, s.last_heartbeat_age_s) for s in reply.sites
+        ),
+        last_metrics=dict(reply.last_metrics),
+    )
+
+
+def fetch_status(
+    address: str,
+    credentials: grpc.ChannelCredentials | None,
+    *,
+    server_name: str = "",
+    timeout_s: float = 10.0,
+) -> ServerState:
+    """Ask the server at `address` for its state; `credentials=None`: no TLS."""
+    options: list[tuple[str, str]] = []
+    if credentials is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        channel = grpc.secure_channel(address, credentials, options=options)
+    with channel:
+        status = channel.unary_unary(
+            rpc.method_path("Status"),
+            request_serializer=pb.Empty.SerializeToString,
+            response_deserializer=pb.StatusReply.FromString,
+        )
+        try:
+            reply = status(pb.Empty(), timeout=timeout_s, wait_for_ready=False)
+        except grpc.RpcError as exc:
+            message = _unreachable(address, exc, tls=credentials is not None)
+            raise ServerUnreachable(message) from None
+    return from_proto(reply)
+
+
+def _unreachable(address: str, exc: grpc.RpcError, *, tls: bool) -> str:
+    """The error and what to check: the likely cause when the error names it, else the list."""
+    what = rpc.describe_rpc_error(exc)
+    details = what.lower()
+    host = address.rsplit(":", 1)[0]
+    if "connection refused" in details:
+        hint = (
+            f"nothing listens on {address}: check that `fedtrain server` is running there and "
+            "that this is the `address` in its server.toml"
+        )
+    elif "hostname verification" in details:
+        hint = (
+            f"the server's certificate does not name {host!r}: dial a name it was issued for "
+            "(`fedtrain ca issue-server --hostname`), or pass --server-name NAME"
+        )
+    elif not tls and "socket closed" in details:
+        hint = (
+            "the server closed the plain connection, so it probably runs with TLS: pass "
+            "--ca/--cert/--key instead of --insecure"
+        )
+    else:
+        checks = [
+            f"that `fedtrain server` is running and listens on {address} (`address` in its "
+            "server.toml; a server on 0.0.0.0 is reached by this machine's name or IP)",
+            "that a firewall lets this machine reach that port",
+            "that --ca is the federation's ca.crt and --cert/--key a certificate it issued "
+            "(`fedtrain ca issue-site --name operator ...`; check it with `fedtrain ca check`)"
+            if tls
+            else "that the server runs with --insecure too (else pass --ca/--cert/--key)",
+        ]
+        hint = "check " + "; ".join(checks)
+    return f"no answer from the server at {address} ({what}); {hint}"

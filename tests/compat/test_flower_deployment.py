@@ -1,0 +1,91 @@
+"""A real Flower NumPyClient trains at the sites of a real deployment (`fedtrain server` +
+`fedtrain client` processes) and ends with the model its native fedtrain equivalent gets."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+pytest.importorskip("flwr")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # flower_client
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # Deployment
+
+from flower_client import NativeEquivalent
+from runtime_support import Deployment
+
+from fedtrain.errors import ConfigError
+from fedtrain.task import TaskContext
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+SITES = ("hospital-a", "hospital-b")
+RUN = {
+    "rounds": 3,
+    "strategy": {"min_fit_clients": 2, "min_available_clients": 2},
+    "client": {"epochs": 2, "lr": 0.5, "batch_size": 10_000},  # full batch, as the client
+}
+FLOWER = {
+    "client_fn": "flower_client:client_fn",
+    "num_partitions": 2,
+}
+
+
+def deploy(root: Path, task: str, data: list[dict], **server) -> tuple[dict, list[dict]]:
+    """Run a 2-site insecure deployment to the end; the final model and metrics.jsonl."""
+    with Deployment(root, task, secure=False, **RUN, **server) as dep:
+        dep.start_server()
+        for name, site_data in zip(SITES, data, strict=True):
+            dep.start_site(name, data=site_data, task_options=server.get("task_options", {}))
+        assert dep.wait_server(120) == 0, dep.log("server")
+        dep.close()
+    metrics = dep.metrics()
+    assert [r["round"] for r in metrics] == [1, 2, 3]
+    assert all(r["clients"] == 2 for r in metrics)
+    return torch.load(dep.run_dir / "model.pt", weights_only=True), metrics
+
+
+def test_flower_client_in_a_deployment_matches_native(tmp_path) -> None:
+    flower, _ = deploy(
+        tmp_path / "flower",
+        "fedtrain.compat.flower:FlowerTask",
+        [{"source": "task", "options": {"partition-id": i}} for i in range(2)],
+        task_options=FLOWER,
+    )
+    native, native_metrics = deploy(
+        tmp_path / "native",
+        "flower_client:NativeEquivalent",
+        [{"partition": i, "num_partitions": 2} for i in range(2)],
+    )
+    assert sorted(flower) == ["p0", "p1"]
+    np.testing.assert_allclose(flower["p0"], native["weight"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flower["p1"], native["bias"], rtol=1e-5, atol=1e-6)
+
+    task = NativeEquivalent()
+    model = task.model()
+    model.load_state_dict({"weight": flower["p0"], "bias": flower["p1"]})
+    context = TaskContext(device=torch.device("cpu"), client_id="test", seed=0)
+    flower_acc = task.evaluate(model, task.datasets()[1], {}, context).metrics["accuracy"]
+    native_acc = native_metrics[-1]["accuracy"]
+    assert flower_acc == pytest.approx(native_acc, abs=1e-9)
+    assert flower_acc > 0.85
+
+
+def test_a_site_must_name_its_flower_partition() -> None:
+    from fedtrain.compat.flower import FlowerTask
+
+    task = FlowerTask("flower_client:client_fn", num_partitions=2)
+    with pytest.raises(ConfigError, match="partition-id"):
+        task.site_data("hospital-a")
+    with pytest.raises(ConfigError, match=r"must be in \[0, 2\)"):
+        task.site_data("hospital-a", **{"partition-id": 2})
+    data = task.site_data("hospital-b", **{"partition-id": 1})
+    assert [data[i] for i in range(len(data))] == [1]
+    client = task.client(1)
+    assert client is task.client(1)  # built once

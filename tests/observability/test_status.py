@@ -1,0 +1,51 @@
+"""`fedtrain status` output: the same state as a rich table, plain lines and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from rich.console import Console
+
+from fedtrain.observability.status import ServerState, SiteState, render_rich, render_text
+
+STATE = ServerState(
+    run_id="0123456789ab",
+    task="fedtrain.examples:DigitsTask",
+    phase="training",
+    round=3,
+    attempt=2,
+    total_rounds=10,
+    rounds_completed=2,
+    min_sites=2,
+    secagg=True,
+    model_version="f" * 64,
+    finished=False,
+    sites=(SiteState("hospital-a", 125.2, 0.4), SiteState("hospital-b", 60.0, 1.25)),
+    last_metrics={"round": 2.0, "accuracy": 0.91234, "bytes": 2048.0},
+)
+
+
+def test_plain_text_has_one_fact_per_line():
+    lines = render_text(STATE).splitlines()
+    assert "phase: training: round in progress (sites train and upload)" in lines
+    assert "round: 3 of 10 in progress (2 completed), attempt 2" in lines
+    assert "sites: 2 connected, 2 needed to start a round" in lines
+    assert "secure aggregation: on" in lines
+    assert "site hospital-a: connected 125s, last heard 0.4s ago" in lines
+    assert lines[-1] == "last round (2): accuracy 0.9123, bytes 2048"
+    waiting = dataclasses.replace(STATE, phase="waiting", round=2, attempt=0, sites=())
+    assert "round: 2 of 10 completed" in render_text(waiting).splitlines()
+
+
+def test_rich_tables_and_json_carry_the_same_state():
+    console = Console(record=True, width=100)
+    render_rich(STATE, console)
+    text = console.export_text()
+    for needle in ("hospital-a", "hospital-b", "3 of 10 in progress", "last round (2)", "0.9123"):
+        assert needle in text
+    assert json.loads(STATE.to_json())["sites"][1] == {
+        "name": "hospital-b",
+        "connected_for_s": 60.0,
+        "last_heartbeat_age_s": 1.25,
+    }
