@@ -309,11 +309,12 @@ class SecAggClient:
                 f"{params.vector_length}"
             )
         y = self._quantizer.encode(update, self._weight, self._rng)
-        self._expander.apply(y, self._seed, 1)
+        masks = [(self._seed, 1)]
         for v in senders:
             shared = self._mask.exchange(self._neighbour_keys[v].mask_key)
             seed = crypto.pair_mask_seed(shared, params.round_id, self.site, v)
-            self._expander.apply(y, seed, _sign(self.site, v))
+            masks.append((seed, _sign(self.site, v)))
+        self._expander.apply_many(y, masks)
         # Secrets no longer needed here live on only as shares.
         self._update = None
         self._seed = None
@@ -744,9 +745,7 @@ class SecAggServer:
                 f"than t={p.t} for " + ", ".join(short)
             )
         total = self._agg.array
-        for u in u3:
-            seed = shamir.combine(self._seed_shares[u])
-            self._expander.apply(total, seed, -1)
+        masks = [(shamir.combine(self._seed_shares[u]), -1) for u in u3]
         for v in dropped:
             raw = shamir.combine(self._key_shares[v])
             key = crypto.KeyPair.from_private_bytes(raw)
@@ -758,7 +757,8 @@ class SecAggServer:
             for u in sorted(self._graph[v] & self._u3):
                 shared = key.exchange(self._keys[u].mask_key)
                 seed = crypto.pair_mask_seed(shared, p.round_id, u, v)
-                self._expander.apply(total, seed, -_sign(u, v))
+                masks.append((seed, -_sign(u, v)))
+        self._expander.apply_many(total, masks)
         self._stage = Stage.DONE
         included = tuple(u3)
         logger.info(
