@@ -155,6 +155,8 @@ class SecAggClient:
         self._mask: crypto.KeyPair | None = None
         self._seed: bytes | None = None
         self._neighbour_keys: dict[int, AdvertiseKeys] = {}
+        # neighbour -> AES-GCM key of the shares between us (one key both ways)
+        self._pair_keys: dict[int, bytes] = {}
         # owner -> (seed share, mask-key share) that this site holds (itself included)
         self._held: dict[int, tuple[shamir.Share, shamir.Share]] = {}
 
@@ -196,6 +198,7 @@ class SecAggClient:
         self._seed = None
         self._enc = None
         self._mask = None
+        self._pair_keys.clear()
         self._held.clear()
 
     def _expect(self, stage: Stage, msg: ServerMessage, round_id: int, site: int) -> RoundParams:
@@ -270,14 +273,16 @@ class SecAggClient:
             key = crypto.share_key(
                 self._enc.exchange(keys[v].enc_key), params.round_id, self.site, v
             )
+            self._pair_keys[v] = key
             out.append((v, crypto.encrypt_shares(key, plaintext, params.round_id, self.site, v)))
+        self._enc = None  # its only use, the share keys, is done
         self._stage = Stage.MASKED_INPUT
         return ShareKeys(params.round_id, self.site, tuple(out))
 
     # -- stage 2 -------------------------------------------------------------------
     def _masked_input(self, msg: RoutedShares) -> MaskedInput:
         params = self._expect(Stage.MASKED_INPUT, msg, msg.round_id, msg.site)
-        assert self._enc is not None and self._mask is not None and self._seed is not None
+        assert self._mask is not None and self._seed is not None
         assert self._quantizer is not None
         if self._update is None or self._weight is None:
             raise SecAggError(f"site {self.site}: no input set before the masked-input stage")
@@ -294,12 +299,7 @@ class SecAggClient:
                 f"removed; abort"
             )
         for sender, ciphertext in msg.ciphertexts:
-            key = crypto.share_key(
-                self._enc.exchange(self._neighbour_keys[sender].enc_key),
-                params.round_id,
-                sender,
-                self.site,
-            )
+            key = self._pair_keys[sender]
             plaintext = crypto.decrypt_shares(key, ciphertext, params.round_id, sender, self.site)
             self._held[sender] = self._parse_shares(plaintext, sender, params)
         update = self._update
@@ -319,7 +319,7 @@ class SecAggClient:
         self._update = None
         self._seed = None
         self._mask = None
-        self._enc = None
+        self._pair_keys.clear()
         self._stage = Stage.UNMASK
         return MaskedInput(params.round_id, self.site, y)
 
