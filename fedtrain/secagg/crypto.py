@@ -8,8 +8,9 @@
   or reflected to another receiver.
 * Masks: every 32-byte mask seed (a site's self-mask seed ``b``, or a pair's HKDF
   output) keys its stream through HKDF-SHA256 again (``mask_key``: 16 bytes, purpose
-  ``mask-prg``); the mask is the AES-128-CTR keystream under that key (zero nonce; every
-  key keys exactly one stream), read as little-endian uint32 and added to or subtracted
+  ``mask-prg``); the mask is the AES-128-CTR keystream under that key (counter blocks
+  ``0^96 || 2, 3, ...``; every key keys exactly one stream; see ``_keystream`` for why
+  it comes out of GCM's encryptor), read as little-endian uint32 and added to or subtracted
   from the target in place mod 2^32, chunk by chunk through a reused buffer. A keystream
   of a uniformly random key is indistinguishable from uniform, so a masked value is
   uniform in Z_{2^32}. Never a non-cryptographic RNG, never a truncated or folded seed:
@@ -29,6 +30,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -153,6 +155,26 @@ def decrypt_shares(
 
 
 Mask = tuple[bytes, int]  # (32-byte seed, sign +1 or -1)
+_MASK_NONCE = bytes(12)
+#: GCM's block counter is 32 bits and starts at 2: a mask has at most 2^32 - 2 blocks.
+MAX_MASK_ELEMENTS = 4 * ((1 << 32) - 2)
+
+
+def _keystream(key: bytes, block: int) -> Any:
+    """An encryptor whose output on zeros is AES-CTR's keystream from block ``block``.
+
+    Block ``i`` of the stream is ``AES_key(0^96 || 2 + i)`` (a 32-bit big-endian
+    counter): exactly what GCM encrypts data with (NIST SP 800-38D's GCTR from
+    ``J0 + 1``, ``J0 = nonce || 1``), so from the start it comes out of GCM's encryptor,
+    whose OpenSSL code is vectorized (VAES/AVX-512 where the CPU has it) and measured
+    ~25% faster here than CTR mode's, even with the tag it computes and nobody reads.
+    From a later block it comes from CTR mode with the same counter block (equal
+    bytes, checked by a test), so a chunk of a vector can be masked on its own.
+    """
+    if block == 0:
+        return Cipher(algorithms.AES128(key), modes.GCM(_MASK_NONCE)).encryptor()
+    counter = _MASK_NONCE + (2 + block).to_bytes(4, "big")
+    return Cipher(algorithms.AES128(key), modes.CTR(counter)).encryptor()
 
 
 class MaskExpander:
@@ -178,7 +200,7 @@ class MaskExpander:
         """``target += sign * PRG(seed)[offset : offset + len(target)]`` mod 2^32.
 
         ``offset`` (in elements) lets a chunk of a long vector be masked on its own:
-        CTR mode seeks to the block holding element ``offset``.
+        the stream starts at the block holding element ``offset``.
         """
         self.apply_many(target, [(seed, sign)], offset)
 
@@ -186,13 +208,17 @@ class MaskExpander:
         """``target += sum(sign * PRG(seed)[offset:...])`` mod 2^32 over ``masks``."""
         if target.dtype != np.uint32 or target.ndim != 1:
             raise SecAggError(f"mask target must be 1-D uint32, got {target.dtype} {target.shape}")
+        if offset < 0 or offset + target.shape[0] > MAX_MASK_ELEMENTS:
+            raise SecAggError(
+                f"mask elements [{offset}, {offset + target.shape[0]}) are outside "
+                f"[0, {MAX_MASK_ELEMENTS})"
+            )
         block, skip = divmod(offset, 4)  # 4 uint32 per 16-byte AES block
-        counter = block.to_bytes(16, "big")
         streams = []
         for seed, sign in masks:
             if sign not in (1, -1):
                 raise SecAggError(f"mask sign must be +1 or -1, got {sign}")
-            enc = Cipher(algorithms.AES(mask_key(seed)), modes.CTR(counter)).encryptor()
+            enc = _keystream(mask_key(seed), block)
             if skip:
                 enc.update(bytes(skip * 4))
             streams.append((enc, np.add if sign > 0 else np.subtract))

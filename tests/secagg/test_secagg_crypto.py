@@ -60,7 +60,8 @@ def test_mask_is_the_aes_128_ctr_keystream_of_an_hkdf_key_added_mod_2_32() -> No
     n = 1001
     key = HKDF(hashes.SHA256(), 16, None, b"fedtrain/secagg/v1/mask-prg").derive(seed)
     assert crypto.mask_key(seed) == key
-    enc = Cipher(algorithms.AES128(key), modes.CTR(bytes(16))).encryptor()
+    counter = bytes(12) + (2).to_bytes(4, "big")  # GCM's first data block
+    enc = Cipher(algorithms.AES128(key), modes.CTR(counter)).encryptor()
     reference = np.frombuffer(enc.update(bytes(4 * n)), dtype="<u4").astype(np.uint32)
     target = np.full(n, 0xFFFFFFF0, dtype=np.uint32)
     crypto.MaskExpander(chunk_elements=64).apply(target, seed, 1)
@@ -104,5 +105,7 @@ def test_add_then_subtract_restores_and_input_checks() -> None:
     assert np.array_equal(x, y)
     with pytest.raises(SecAggError, match="32 bytes"):
         expander.apply(y, seed[:16], 1)
+    with pytest.raises(SecAggError, match="outside"):
+        expander.apply(y, seed, 1, offset=crypto.MAX_MASK_ELEMENTS - 10)
     with pytest.raises(SecAggError, match="uint32"):
         expander.apply(y.astype(np.int64), seed, 1)
