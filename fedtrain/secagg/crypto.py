@@ -9,7 +9,7 @@
 * Masks: every 32-byte mask seed (a site's self-mask seed ``b``, or a pair's HKDF
   output) keys its stream through HKDF-SHA256 again (``mask_key``: 16 bytes, purpose
   ``mask-prg``); the mask is the AES-128-CTR keystream under that key (counter blocks
-  ``0^96 || 2, 3, ...``; every key keys exactly one stream; see ``_keystream`` for why
+  ``0^96 || 2, 3, ...``; every key keys exactly one stream; see ``keystream`` for why
   it comes out of GCM's encryptor), read as little-endian uint32 and added to or subtracted
   from the target in place mod 2^32, chunk by chunk through a reused buffer. A keystream
   of a uniformly random key is indistinguishable from uniform, so a masked value is
@@ -160,7 +160,7 @@ _MASK_NONCE = bytes(12)
 MAX_MASK_ELEMENTS = 4 * ((1 << 32) - 2)
 
 
-def _keystream(key: bytes, block: int) -> Any:
+def keystream(key: bytes, block: int = 0) -> Any:
     """An encryptor whose output on zeros is AES-CTR's keystream from block ``block``.
 
     Block ``i`` of the stream is ``AES_key(0^96 || 2 + i)`` (a 32-bit big-endian
@@ -218,7 +218,7 @@ class MaskExpander:
         for seed, sign in masks:
             if sign not in (1, -1):
                 raise SecAggError(f"mask sign must be +1 or -1, got {sign}")
-            enc = _keystream(mask_key(seed), block)
+            enc = keystream(mask_key(seed), block)
             if skip:
                 enc.update(bytes(skip * 4))
             streams.append((enc, np.add if sign > 0 else np.subtract))

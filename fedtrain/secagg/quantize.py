@@ -39,9 +39,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedtrain.errors import SecAggError
+from fedtrain.secagg.crypto import MASK_KEY_BYTES, keystream
 
 MODULUS_BITS = 32
 MODULUS = 1 << MODULUS_BITS
@@ -147,19 +147,25 @@ class Quantizer:
 
         Returns a fresh array of ``update.size + 1`` elements (the last is the weight).
         ``rng`` drives stochastic rounding only (it is not a secret: the result is
-        masked before it leaves the site): it keys an AES-128-CTR stream whose 32-bit
-        words are the rounding uniforms, four times cheaper than numpy's generator and
-        as reproducible. The work runs chunk by chunk through small buffers, so a
+        masked before it leaves the site): it keys an AES-128 keystream (as the masks'
+        PRG, :func:`~fedtrain.secagg.crypto.keystream`) whose 32-bit words are the
+        rounding uniforms, several times cheaper than numpy's generator and as
+        reproducible. The work runs chunk by chunk through small buffers, so a
         1M-value update makes no model-sized temporaries.
         """
         x = np.asarray(update).reshape(-1)
         if not np.issubdtype(x.dtype, np.floating) and not np.issubdtype(x.dtype, np.integer):
             raise SecAggError(f"update must be numeric, got dtype {x.dtype}")
-        if not np.isfinite(x.sum(dtype=np.float64)) and not np.all(np.isfinite(x)):
+        # Sum first: NaN and Inf propagate, so one cheap reduction clears the usual case.
+        if x.dtype.kind == "f" and not np.isfinite(x.sum()) and not np.all(np.isfinite(x)):
             raise SecAggError("update contains NaN or Inf; refuse to encode it")
         units = self.encode_weight(weight)
         factor = units * self.weight_resolution * self.levels / (2.0 * self.clip * self.max_weight)
-        half, top = self.levels / 2.0, float(self.levels)
+        half = self.levels / 2.0
+        # Clipping x to [-clip, clip] is clipping x * factor + half to [low, high], a
+        # sub-range of [0, L]; then + u < 1 stays below L + 1, so the floor is in [0, L].
+        low = max(0.0, half - self.clip * factor)
+        high = min(float(self.levels), half + self.clip * factor)
         n = x.shape[0]
         out = np.empty(n + 1, dtype=np.uint32)
         size = min(n, ENCODE_CHUNK)
@@ -168,17 +174,16 @@ class Quantizer:
         raw = bytearray(size * 4 + 15)  # update_into wants a block of room
         words = np.frombuffer(raw, dtype="<u4", count=size)
         zeros = memoryview(bytes(size * 4))
-        stream = Cipher(algorithms.AES128(rng.bytes(16)), modes.CTR(bytes(16))).encryptor()
+        stream = keystream(rng.bytes(MASK_KEY_BYTES))
         for start in range(0, n, ENCODE_CHUNK):
             stop = min(start + ENCODE_CHUNK, n)
             v, u = scaled[: stop - start], uniform[: stop - start]
-            np.clip(x[start:stop], -self.clip, self.clip, out=v, dtype=np.float64)
-            v *= factor
+            np.multiply(x[start:stop], factor, out=v, dtype=np.float64)
             v += half
+            np.clip(v, low, high, out=v)
             stream.update_into(zeros[: 4 * v.shape[0]], raw)
             np.multiply(words[: v.shape[0]], 2.0**-32, out=u)  # uniform in [0, 1)
             v += u
-            np.clip(v, 0.0, top, out=v)  # float rounding at +-clip must not leave [0, L]
             out[start:stop] = v  # the cast truncates, i.e. floors (v >= 0)
         out[-1] = units
         return out
