@@ -13,8 +13,9 @@ Its unmasked, dequantized sum is the `WeightedSum` the strategy finalizes.
 Memory: the driver holds one float32 vector per reporting client until the protocol
 runs, i.e. O(clients per round x model): 10 clients of a 1M-parameter model take
 40 MB, 1,000 clients of a 10M-parameter model 40 GB. Sample fewer clients per round
-(`strategy.fraction_fit`) for large models. Time: about 0.02 s per client per million
-parameters on one core (quantization plus k + 1 mask expansions), all in the driver.
+(`strategy.fraction_fit`) for large models. Time: about 12 ms per client per million
+parameters on one core (quantization plus k + 1 mask expansions; benchmarks/RESULTS.md),
+all in the driver.
 
 Dropouts: `secagg.stage_dropouts` makes a seeded fraction of each round's participants
 vanish at each stage. The stochastic rounding and the neighbour graph are seeded from
