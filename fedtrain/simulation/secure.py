@@ -36,6 +36,7 @@ import torch
 
 from fedtrain.errors import ConfigError, SecAggError, UpdateRejected
 from fedtrain.secagg.graph import GRAPH_SEED_BYTES
+from fedtrain.secagg.quantize import Quantizer
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout, secure_round
 from fedtrain.simulation.config import SECAGG_STAGES, SimConfig
@@ -57,13 +58,15 @@ class MaskedUploads(Aggregator):
     """Stands in for the strategy's aggregator while a secure round's updates arrive.
 
     `add` checks an update as the strategy's aggregator would (names, dtypes, shapes,
-    NaN/Inf, weight), then keeps it only as the float32 vector the site would mask.
+    NaN/Inf, weight) and its weight against `secagg.max_weight` (a site over it could
+    not encode its update: it would drop out), then keeps it only as the float32 vector
+    the site would mask.
     """
 
-    def __init__(self, specs: tuple[TensorSpec, ...], clip: float) -> None:
+    def __init__(self, specs: tuple[TensorSpec, ...], quantizer: Quantizer) -> None:
         super().__init__(specs)
         self.layout = UpdateLayout.of(specs)
-        self.clip = clip
+        self.quantizer = quantizer
         self.vectors: list[np.ndarray] = []
         self.weights: list[float] = []
         self.clipped = 0  # values beyond secagg.clip (a site would warn its operator)
@@ -72,8 +75,12 @@ class MaskedUploads(Aggregator):
         validate_update(delta, tuple(self.specs.values()))
         if not weight > 0:
             raise UpdateRejected(f"update weight must be positive, got {weight}")
+        try:
+            self.quantizer.encode_weight(weight)
+        except SecAggError as exc:
+            raise UpdateRejected(str(exc)) from None
         vector = self.layout.flatten(delta)
-        self.clipped += int(np.count_nonzero(np.abs(vector) > self.clip))
+        self.clipped += int(np.count_nonzero(np.abs(vector) > self.quantizer.clip))
         self.vectors.append(vector)
         self.weights.append(weight)
         self.commit(weight)
@@ -101,7 +108,7 @@ class SecureAggregation:
 
     def uploads(self, specs: tuple[TensorSpec, ...]) -> MaskedUploads:
         """A fresh collector for one round's updates."""
-        return MaskedUploads(specs, self.protocol.clip)
+        return MaskedUploads(specs, self.protocol.quantizer())
 
     def stage_dropouts(self, server_round: int, n: int) -> dict[int, set[int]]:
         """Secagg ids (1..n) that vanish at each stage: round(rate * n) of those still in."""

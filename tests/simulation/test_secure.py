@@ -69,6 +69,14 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(make_config):
     assert result.model.equal(ModelState.from_module(model_for(task, config.seed)))
 
 
+def test_a_client_over_max_weight_is_rejected_not_the_round(make_config, caplog):
+    # iid: 30 examples per client; a site over max_weight could not encode its update
+    config = make_config(rounds=1, secagg=secagg(max_weight=29.0))
+    record = run_simulation(config).history[0]
+    assert record["rejected"] == 20 and record["reported"] == 0 and not record["aggregated"]
+    assert "exceeds max_weight 29.0" in caplog.text
+
+
 def test_strategies_that_need_every_update_are_refused_with_the_reason(make_config):
     for name in ("fedmedian", "fedtrimmedavg", "krum", "dpfedavg"):
         with pytest.raises(ConfigError, match=rf"{name}' cannot run with secure aggregation"):
