@@ -1,51 +1,281 @@
-"""Time whole SecAgg+ rounds in memory (all sites and the server in one process).
+"""SecAgg+ rounds in memory: fedtrain against Flower 1.42, and against plain aggregation.
 
-    python benchmarks/secagg_bench.py [--repeat 3]
+    python benchmarks/secagg_bench.py [--repeat 3] [--flower]
 
-Prints seconds per round (best of --repeat), messages through their byte encoding.
-Flower 1.42's SecAgg+ measured the same way (FLOWER_PEER.md): n=10, m=1M ~1.5 s;
-n=50, m=100k ~35 s; n=100, m=1M, k=12 ~15.6 s.
+For each case (n sites, m values per update) one process drives every client and the
+server through all four stages, every message through its byte encoding
+(`run_in_memory(..., through_bytes=True)`). Everything runs on one thread (torch
+too), and times are **CPU seconds** of this process (`time.process_time`): the machine
+is shared, and CPU time is what a quiet machine's wall time would be, whatever the
+other jobs do; the whole round's wall time is printed beside it. Reported, best of
+``--repeat`` rounds:
+
+- ``round``: CPU seconds of the whole round (wall seconds in brackets);
+- ``client``: one client's compute, summed over its four stages (mean over the n
+  clients), plus flattening its trained model into the update vector
+  (`UpdateLayout.flatten_delta`), as a site does before masking;
+- ``server``: the server's compute (routing, folding masked vectors, Shamir
+  reconstruction, unmasking); the rest of ``round`` is message encoding;
+- ``plain prep``: what a site does for a plain upload, `delta_chunks` (the delta
+  computed and cast chunk by chunk), and ``client / plain prep``, the issue's
+  client-side overhead;
+- ``plain round``: fedtrain's own plain aggregation of the same updates (n plain
+  preparations plus the FedAvg `WeightedSum` folding n updates), and the secure
+  round's overhead over it.
+
+With ``--flower`` the same n, m, k and t also go through Flower 1.42's SecAgg+ client
+stages and server unmasking (`benchmarks/flower_secagg.py`), in CPU seconds too: its
+compute for a round is n clients plus the server (no messaging). ``Flower round`` in
+the first table is the whole-round wall time measured for its SecAgg+ workflow on this
+machine kind (``../shared/FLOWER_PEER.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import wraps
+from typing import Any
+from unittest import mock
 
 import numpy as np
+import torch
 
-from fedtrain.secagg import SecAggConfig, run_in_memory
+from fedtrain.runtime.site import delta_chunks
+from fedtrain.secagg import (
+    KeysBroadcast,
+    RoutedShares,
+    SecAggClient,
+    SecAggConfig,
+    SecAggServer,
+    SetupRequest,
+    UnmaskRequest,
+    run_in_memory,
+)
+from fedtrain.secagg.updates import UpdateLayout
+from fedtrain.strategy import WeightedSum
+from fedtrain.tensors import DEFAULT_CHUNK_BYTES, ModelState
 
 CASES = [
     # (n sites, m values, k neighbours or None for choose_degree)
-    (10, 1_000_000, None),
-    (50, 100_000, None),
     (100, 1_000_000, 12),
+    (50, 100_000, None),
+    (10, 1_000_000, None),
 ]
+#: Flower 1.42's SecAgg+ workflow, seconds per round (../shared/FLOWER_PEER.md).
+FLOWER_ROUND_S = {(100, 1_000_000): 15.6, (50, 100_000): 35.0, (10, 1_000_000): 1.5}
+STAGES = {
+    SetupRequest: "setup",
+    KeysBroadcast: "share_keys",
+    RoutedShares: "masked_input",
+    UnmaskRequest: "unmask",
+}
 
 
-def bench(n: int, m: int, k: int | None, repeat: int) -> tuple[float, int, int]:
-    rng = np.random.default_rng(0)
-    xs = [rng.normal(0.0, 0.01, size=m).astype(np.float32) for _ in range(n)]
-    ws = [float(w) for w in rng.integers(1, 1000, size=n)]
-    config = SecAggConfig(clip=0.1, max_clients=max(n, 100), max_weight=1000.0, k=k)
+@dataclass
+class Case:
+    """One benchmark case's inputs: n updates of m float32 values and their weights."""
+
+    n: int
+    m: int
+    k: int | None
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(0)
+        self.updates = [
+            rng.normal(0.0, 0.01, size=self.m).astype(np.float32) for _ in range(self.n)
+        ]
+        self.weights = [float(w) for w in rng.integers(1, 1000, size=self.n)]
+        self.config = SecAggConfig(
+            clip=0.1, max_clients=max(self.n, 100), max_weight=1000.0, k=self.k
+        )
+        self.k_used, self.t_used = self.config.degree_and_threshold(self.n)
+
+
+@contextmanager
+def stage_clock() -> Iterator[dict[str, float]]:
+    """Seconds spent in the clients' `handle`, by stage, and in the server's methods."""
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(fn: Callable[..., Any], bucket: Callable[[tuple[Any, ...]], str]) -> Any:
+        @wraps(fn)
+        def wrapper(self: Any, *args: Any) -> Any:
+            start = time.process_time()
+            try:
+                return fn(self, *args)
+            finally:
+                totals[bucket(args)] += time.process_time() - start
+
+        return wrapper
+
+    patches = [
+        mock.patch.object(
+            SecAggClient, "handle", timed(SecAggClient.handle, lambda a: STAGES[type(a[0])])
+        )
+    ]
+    for name in ("start", "receive", "advance", "finish"):
+        patches.append(
+            mock.patch.object(
+                SecAggServer, name, timed(getattr(SecAggServer, name), lambda a: "server")
+            )
+        )
+    for patch in patches:
+        patch.start()
+    try:
+        yield totals
+    finally:
+        for patch in patches:
+            patch.stop()
+
+
+def best_of(repeat: int, fn: Callable[[], Any]) -> float:
+    """Least CPU seconds of ``repeat`` calls."""
     best = float("inf")
     for _ in range(repeat):
-        start = time.perf_counter()
-        result = run_in_memory(xs, ws, config, rng=1, through_bytes=True)
-        best = min(best, time.perf_counter() - start)
-        assert len(result.included) == n
-    k_used, t_used = config.degree_and_threshold(n)
-    return best, k_used, t_used
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best
+
+
+def secure_round(case: Case, repeat: int) -> tuple[float, float, dict[str, float]]:
+    """(CPU s, wall s, per-stage CPU s summed over clients + server) of the best round."""
+    best: tuple[float, float, dict[str, float]] = (float("inf"), 0.0, {})
+    for _ in range(repeat):
+        with stage_clock() as totals:
+            wall, cpu = time.perf_counter(), time.process_time()
+            result = run_in_memory(
+                case.updates, case.weights, case.config, rng=1, through_bytes=True
+            )
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        assert len(result.included) == case.n
+        if cpu < best[0]:
+            best = (cpu, wall, dict(totals))
+    return best
+
+
+def plain_pieces(case: Case, repeat: int) -> dict[str, float]:
+    """One site's plain and secure upload preparation, and the plain server fold of n."""
+    global_state = ModelState({"w": torch.zeros(case.m)})
+    local = ModelState({"w": torch.from_numpy(case.updates[0])})
+    layout = UpdateLayout.of(global_state.specs)
+    deltas = [ModelState({"w": torch.from_numpy(u)}) for u in case.updates]
+
+    def fold() -> None:
+        total = WeightedSum(global_state.specs)
+        for delta, weight in zip(deltas, case.weights, strict=True):
+            total.add(delta, weight)
+
+    return {
+        "plain_prep": best_of(
+            5 * repeat, lambda: list(delta_chunks(local, global_state, DEFAULT_CHUNK_BYTES))
+        ),
+        "flatten": best_of(5 * repeat, lambda: layout.flatten_delta(local, global_state)),
+        "plain_fold": best_of(repeat, fold),
+    }
+
+
+def measure(case: Case, repeat: int) -> dict[str, float]:
+    seconds, wall, totals = secure_round(case, repeat)
+    pieces = plain_pieces(case, repeat)
+    stages = {stage: totals.get(stage, 0.0) / case.n for stage in STAGES.values()}
+    client = sum(stages.values()) + pieces["flatten"]
+    return {
+        "round": seconds,
+        "round_wall": wall,
+        "client": client,
+        "client_mask": stages["masked_input"],
+        "server": totals.get("server", 0.0),
+        **pieces,
+        "plain_round": case.n * pieces["plain_prep"] + pieces["plain_fold"],
+    }
+
+
+COLUMNS = (
+    "case",
+    "round",
+    "client (stage 2)",
+    "server",
+    "plain prep",
+    "client / plain prep",
+    "plain round",
+    "round / plain round",
+    "Flower round (cited)",
+    "speed-up",
+)
+FLOWER_COLUMNS = (
+    "case",
+    "client",
+    "Flower client",
+    "server",
+    "Flower server",
+    "round",
+    "Flower n x client + server",
+    "ratio",
+)
+
+
+def row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def header(columns: Sequence[str]) -> str:
+    return row(columns) + "\n" + row(["---"] * len(columns))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--flower", action="store_true", help="also time Flower 1.42's stages")
     args = parser.parse_args()
+    # A site's masking is single-threaded (numpy, cryptography); torch's thread pool would
+    # only add wake-up noise to the small plain-upload timings on a shared machine.
+    torch.set_num_threads(1)
+    print(header(COLUMNS))
+    flower_rows = []
     for n, m, k in CASES:
-        seconds, k_used, t_used = bench(n, m, k, args.repeat)
-        print(f"n={n:<4d} m={m:<9,d} k={k_used:<3d} t={t_used:<3d} {seconds:7.2f} s")
+        case = Case(n, m, k)
+        f = measure(case, args.repeat)
+        flower = FLOWER_ROUND_S[(n, m)]
+        name = f"n={n}, m={m:,} (k={case.k_used}, t={case.t_used})"
+        cells = [
+            name,
+            f"{f['round']:.2f} s ({f['round_wall']:.2f})",
+            f"{f['client'] * 1e3:.1f} ms ({f['client_mask'] * 1e3:.1f})",
+            f"{f['server'] * 1e3:.0f} ms",
+            f"{f['plain_prep'] * 1e3:.2f} ms",
+            f"{f['client'] / f['plain_prep']:.1f}x",
+            f"{f['plain_round'] * 1e3:.0f} ms",
+            f"{f['round'] / f['plain_round']:.1f}x",
+            f"~{flower} s",
+            f"{flower / f['round']:.1f}x",
+        ]
+        print(row(cells), flush=True)
+        if args.flower:
+            from benchmarks.flower_secagg import flower_compute
+
+            fl = flower_compute(n, case.updates, case.weights, case.k_used, case.t_used)
+            flower_round = n * fl["client"] + fl["server"]
+            flower_rows.append(
+                [
+                    name,
+                    f"{f['client'] * 1e3:.1f} ms",
+                    f"{fl['client'] * 1e3:.0f} ms",
+                    f"{f['server'] * 1e3:.0f} ms",
+                    f"{fl['server'] * 1e3:.0f} ms",
+                    f"{f['round']:.2f} s",
+                    f"{flower_round:.1f} s",
+                    f"{flower_round / f['round']:.0f}x",
+                ]
+            )
+    if flower_rows:
+        print("\n" + header(FLOWER_COLUMNS))
+        for cells in flower_rows:
+            print(row(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
-from fedtrain.secagg.settings import SecAggSettings, require_sum_only
+from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
-from fedtrain.strategy import STRATEGIES, Strategy
+from fedtrain.strategy import Strategy
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -170,25 +170,7 @@ class ServerConfig:
                     "numbers or strings"
                 )
         if self.secagg.enabled:
-            self._check_secagg()
-
-    def _check_secagg(self) -> None:
-        """What secure aggregation needs from the rest of the config, refused up front."""
-        strategy = STRATEGIES.get(self.strategy.name)
-        if strategy is not None:
-            require_sum_only(strategy)
-        if self.strategy.min_fit_clients < 2:
-            raise ConfigError(
-                f"strategy.min_fit_clients = {self.strategy.min_fit_clients}: secure "
-                "aggregation needs at least 2 sites per round (the sum of one site is its "
-                "update); raise it to 2 or more"
-            )
-        if self.strategy.min_fit_clients > self.secagg.max_clients:
-            raise ConfigError(
-                f"strategy.min_fit_clients = {self.strategy.min_fit_clients} exceeds "
-                f"secagg.max_clients = {self.secagg.max_clients}: their sum could wrap; raise "
-                "secagg.max_clients"
-            )
+            self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 
     def build_strategy(self) -> Strategy:
         """The strategy the `[strategy]` table names, with `[client]` as its round config."""

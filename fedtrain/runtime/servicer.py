@@ -145,8 +145,9 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
             return site, (
-                f"site {site!r} does not support secure aggregation, which this server runs "
-                "(secagg.enabled in server.toml); install the same fedtrain version at the site"
+                f"site {site!r} does not speak the secure aggregation this server runs "
+                f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
+                "fedtrain version; install the same fedtrain version as the server at the site"
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
             return site, (

@@ -32,7 +32,9 @@ PROTOCOL_VERSION = 1
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).
-SECAGG_CAPABILITY = "secagg"
+#: Its version moves whenever masks or stage messages change (2: AES-128 mask keystream),
+#: so a site of another version is refused at Join instead of corrupting the sum.
+SECAGG_CAPABILITY = "secagg/2"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:

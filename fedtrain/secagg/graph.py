@@ -20,6 +20,7 @@ to survive to the unmasking stage.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -123,6 +124,7 @@ def _log_binom_tail_ge(h: int, p: float, t: int) -> float:
     return top + math.log(sum(math.exp(x - top) for x in terms))
 
 
+@functools.lru_cache(maxsize=256)
 def choose_degree(
     n: int,
     dropout_rate: float,
@@ -145,6 +147,7 @@ def choose_degree(
     largest is returned (most privacy margin), never below ``(k + 1) / 2``. When no degree
     below ``n - 1`` meets the targets, the complete graph (classic SecAgg) is returned
     with the smallest secure ``t`` (logged at INFO if it misses the targets).
+    Pure, so cached: a driver asking every round logs that once per round size.
     The model assumes corruption and dropout do not depend on the (public) graph order.
     """
     if n < 2:

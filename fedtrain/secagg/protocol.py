@@ -155,6 +155,8 @@ class SecAggClient:
         self._mask: crypto.KeyPair | None = None
         self._seed: bytes | None = None
         self._neighbour_keys: dict[int, AdvertiseKeys] = {}
+        # neighbour -> AES-GCM key of the shares between us (one key both ways)
+        self._pair_keys: dict[int, bytes] = {}
         # owner -> (seed share, mask-key share) that this site holds (itself included)
         self._held: dict[int, tuple[shamir.Share, shamir.Share]] = {}
 
@@ -196,6 +198,7 @@ class SecAggClient:
         self._seed = None
         self._enc = None
         self._mask = None
+        self._pair_keys.clear()
         self._held.clear()
 
     def _expect(self, stage: Stage, msg: ServerMessage, round_id: int, site: int) -> RoundParams:
@@ -270,14 +273,16 @@ class SecAggClient:
             key = crypto.share_key(
                 self._enc.exchange(keys[v].enc_key), params.round_id, self.site, v
             )
+            self._pair_keys[v] = key
             out.append((v, crypto.encrypt_shares(key, plaintext, params.round_id, self.site, v)))
+        self._enc = None  # its only use, the share keys, is done
         self._stage = Stage.MASKED_INPUT
         return ShareKeys(params.round_id, self.site, tuple(out))
 
     # -- stage 2 -------------------------------------------------------------------
     def _masked_input(self, msg: RoutedShares) -> MaskedInput:
         params = self._expect(Stage.MASKED_INPUT, msg, msg.round_id, msg.site)
-        assert self._enc is not None and self._mask is not None and self._seed is not None
+        assert self._mask is not None and self._seed is not None
         assert self._quantizer is not None
         if self._update is None or self._weight is None:
             raise SecAggError(f"site {self.site}: no input set before the masked-input stage")
@@ -294,12 +299,7 @@ class SecAggClient:
                 f"removed; abort"
             )
         for sender, ciphertext in msg.ciphertexts:
-            key = crypto.share_key(
-                self._enc.exchange(self._neighbour_keys[sender].enc_key),
-                params.round_id,
-                sender,
-                self.site,
-            )
+            key = self._pair_keys[sender]
             plaintext = crypto.decrypt_shares(key, ciphertext, params.round_id, sender, self.site)
             self._held[sender] = self._parse_shares(plaintext, sender, params)
         update = self._update
@@ -309,16 +309,17 @@ class SecAggClient:
                 f"{params.vector_length}"
             )
         y = self._quantizer.encode(update, self._weight, self._rng)
-        self._expander.apply(y, self._seed, 1)
+        masks = [(self._seed, 1)]
         for v in senders:
             shared = self._mask.exchange(self._neighbour_keys[v].mask_key)
             seed = crypto.pair_mask_seed(shared, params.round_id, self.site, v)
-            self._expander.apply(y, seed, _sign(self.site, v))
+            masks.append((seed, _sign(self.site, v)))
+        self._expander.apply_many(y, masks)
         # Secrets no longer needed here live on only as shares.
         self._update = None
         self._seed = None
         self._mask = None
-        self._enc = None
+        self._pair_keys.clear()
         self._stage = Stage.UNMASK
         return MaskedInput(params.round_id, self.site, y)
 
@@ -744,9 +745,7 @@ class SecAggServer:
                 f"than t={p.t} for " + ", ".join(short)
             )
         total = self._agg.array
-        for u in u3:
-            seed = shamir.combine(self._seed_shares[u])
-            self._expander.apply(total, seed, -1)
+        masks = [(shamir.combine(self._seed_shares[u]), -1) for u in u3]
         for v in dropped:
             raw = shamir.combine(self._key_shares[v])
             key = crypto.KeyPair.from_private_bytes(raw)
@@ -758,7 +757,8 @@ class SecAggServer:
             for u in sorted(self._graph[v] & self._u3):
                 shared = key.exchange(self._keys[u].mask_key)
                 seed = crypto.pair_mask_seed(shared, p.round_id, u, v)
-                self._expander.apply(total, seed, -_sign(u, v))
+                masks.append((seed, -_sign(u, v)))
+        self._expander.apply_many(total, masks)
         self._stage = Stage.DONE
         included = tuple(u3)
         logger.info(

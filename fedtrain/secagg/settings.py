@@ -15,6 +15,7 @@ from typing import Any
 from fedtrain.config import option
 from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.secagg.config import SecAggConfig
+from fedtrain.strategy import STRATEGIES
 
 
 @dataclass
@@ -101,6 +102,26 @@ class SecAggSettings:
             failure_probability=self.failure_probability,
             leak_probability=self.leak_probability,
         )
+
+    def check_rounds(self, strategy: str, min_fit_clients: int, who: str = "sites") -> None:
+        """What secure aggregation needs from the rest of a config, refused up front.
+
+        ``strategy`` is the configured strategy name, ``min_fit_clients`` the fewest
+        participants a round may have, ``who`` what the config calls them.
+        """
+        cls = STRATEGIES.get(strategy)
+        if cls is not None:
+            require_sum_only(cls)
+        if min_fit_clients < 2:
+            raise ConfigError(
+                f"strategy.min_fit_clients = {min_fit_clients}: secure aggregation needs at "
+                f"least 2 {who} per round (the sum of one is its update); raise it to 2 or more"
+            )
+        if min_fit_clients > self.max_clients:
+            raise ConfigError(
+                f"strategy.min_fit_clients = {min_fit_clients} exceeds secagg.max_clients = "
+                f"{self.max_clients}: their sum could wrap; raise secagg.max_clients"
+            )
 
 
 def require_sum_only(strategy: Any, where: str = "strategy.name") -> None:

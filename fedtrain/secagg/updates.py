@@ -18,14 +18,16 @@ without exchanging anything), which values go into that vector and in what order
 :class:`WeightedSum` a sum-only strategy finalizes, so FedAvg, FedProx and the FedOpt
 family run unchanged: they see ``sum_i w_i * delta_i`` and ``sum_i w_i`` exactly as
 without secure aggregation, up to the quantization bound of
-:mod:`fedtrain.secagg.quantize`. :func:`secure_weighted_sum` is the in-memory driver
-for the simulation: one round over given deltas and weights.
+:mod:`fedtrain.secagg.quantize`. :func:`secure_round` (and :func:`secure_weighted_sum`,
+its sum alone) is the in-memory driver for the simulation: one round over given deltas
+and weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -142,8 +144,8 @@ def _flat(state: Mapping[str, torch.Tensor], name: str, numel: int) -> torch.Ten
     return tensor.detach().reshape(-1)
 
 
-def secure_weighted_sum(
-    deltas: Sequence[Mapping[str, torch.Tensor]],
+def secure_round(
+    deltas: Sequence[Mapping[str, torch.Tensor] | np.ndarray],
     weights: Sequence[float],
     specs: Sequence[TensorSpec],
     config: SecAggConfig,
@@ -151,17 +153,40 @@ def secure_weighted_sum(
     dropouts: Dropouts | None = None,
     round_id: int = 0,
     rng: np.random.Generator | int | None = None,
-) -> WeightedSum:
+    graph_seed: bytes | None = None,
+) -> tuple[WeightedSum, SecAggResult]:
     """One SecAgg+ round in memory over ``deltas``: the simulation's entry point.
 
-    Site ``i`` (0-based) takes part as secagg id ``i + 1``; ``dropouts`` uses those ids
-    (see :func:`run_in_memory`). Returns what a deployment's server would hand the
-    strategy: the weighted sum over the sites that were included. Every delta is held
-    as a float32 vector for the round, so memory is O(sites x model).
+    A delta is shaped like the model, or already flattened by
+    :meth:`UpdateLayout.flatten` (a driver that collects many updates flattens each as
+    it arrives and drops the original). Site ``i`` (0-based) takes part as secagg id
+    ``i + 1``; ``dropouts`` uses those ids (see :func:`run_in_memory`). Returns what a
+    deployment's server would hand the strategy, the weighted sum over the sites that
+    were included, and the protocol's result (who was included, who dropped). Every
+    delta is held as a float32 vector for the round, so memory is O(sites x model).
     """
     if len(deltas) != len(weights):
         raise SecAggError(f"{len(deltas)} deltas but {len(weights)} weights")
     layout = UpdateLayout.of(specs)
-    vectors = [layout.flatten(d) for d in deltas]
-    result = run_in_memory(vectors, list(weights), config, dropouts, round_id=round_id, rng=rng)
-    return layout.weighted_sum(result)
+    vectors = [d if isinstance(d, np.ndarray) else layout.flatten(d) for d in deltas]
+    result = run_in_memory(
+        vectors,
+        list(weights),
+        config,
+        dropouts,
+        round_id=round_id,
+        rng=rng,
+        graph_seed=graph_seed,
+    )
+    return layout.weighted_sum(result), result
+
+
+def secure_weighted_sum(
+    deltas: Sequence[Mapping[str, torch.Tensor] | np.ndarray],
+    weights: Sequence[float],
+    specs: Sequence[TensorSpec],
+    config: SecAggConfig,
+    **options: Any,
+) -> WeightedSum:
+    """:func:`secure_round`'s weighted sum alone (same keyword options)."""
+    return secure_round(deltas, weights, specs, config, **options)[0]

@@ -8,7 +8,11 @@ from typing import Any, Literal
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.strategy import Strategy, build_strategy
+
+#: SecAgg+'s stages, in the order `secagg.stage_dropouts` lists them.
+SECAGG_STAGES = ("setup", "share_keys", "masked_input", "unmask")
 
 
 @dataclass
@@ -88,6 +92,29 @@ class RayConfig:
 
 
 @dataclass
+class SecAggSimSettings(SecAggSettings):
+    """The protocol's settings (as in server.toml) plus dropouts injected at its stages."""
+
+    stage_dropouts: list[float] = option(
+        [0.0, 0.0, 0.0, 0.0],
+        "Fraction of each round's secure-aggregation participants that vanish at each stage "
+        "[setup, share_keys, masked_input, unmask] (seeded): before advertising keys, before "
+        "sharing them, before the masked upload, before revealing shares. Those gone by the "
+        "masked upload are left out of the sum; the round fails (model unchanged) when too "
+        "few share holders survive.",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        rates = self.stage_dropouts
+        if len(rates) != len(SECAGG_STAGES) or not all(0.0 <= r < 1.0 for r in rates):
+            raise ConfigError(
+                f"secagg.stage_dropouts = {rates!r} should list {len(SECAGG_STAGES)} "
+                f"fractions in [0, 1), one per stage {list(SECAGG_STAGES)}"
+            )
+
+
+@dataclass
 class SimConfig:
     task: str = option(doc="Task to run, as 'package.module:ClassName'.")
     task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
@@ -114,6 +141,11 @@ class SimConfig:
         HeterogeneityConfig, "Simulated device differences and dropouts."
     )
     ray: RayConfig = section(RayConfig, "The `ray` backend's cluster and resources.")
+    secagg: SecAggSimSettings = section(
+        SecAggSimSettings,
+        "Secure aggregation (`secagg = true` or a [secagg] table): the deployment's SecAgg+ "
+        "protocol run in memory each round.",
+    )
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
@@ -123,3 +155,5 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"workers = {self.workers} should be >= 0 (0: one per CPU core)")
+        if self.secagg.enabled:
+            self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")

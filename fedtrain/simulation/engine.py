@@ -28,6 +28,7 @@ from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.plan import RoundPlan, plan_round
 from fedtrain.simulation.population import ClientPopulation
+from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.simulation.worker import WorkerSetup
 from fedtrain.strategy import Strategy, WeightedSum
 from fedtrain.task import Task, TaskContext, load_task, model_for, resolve_device
@@ -83,6 +84,9 @@ def run_simulation(
     global_state = ModelState.from_module(model)
     setup = WorkerSetup(task, config, global_state.specs)
     rng = np.random.default_rng(config.seed)
+    secure = SecureAggregation(config) if config.secagg.enabled else None
+    if secure is not None:
+        secure.check(strategy, len(population))
     result = SimulationResult(global_state)
     with (
         observing(config.tensorboard, run_dir.path, on_round) as on_round,
@@ -103,9 +107,12 @@ def run_simulation(
                 heterogeneity,
                 rng,
                 backend.num_workers,
-                fold_in_workers=strategy.needs_only_sum,
+                # with secagg the server may only see each client's masked update
+                fold_in_workers=strategy.needs_only_sum and secure is None,
             )
-            global_state, record = train_round(backend, strategy, plan, global_state, on_progress)
+            global_state, record = train_round(
+                backend, strategy, plan, global_state, on_progress, secure
+            )
             record["loss"], record["accuracy"] = None, None
             if test is not None and (
                 server_round % config.eval_every == 0 or server_round == config.rounds
@@ -129,11 +136,13 @@ def train_round(
     plan: RoundPlan,
     global_state: ModelState,
     on_progress: ProgressCallback | None,
+    secure: SecureAggregation | None = None,
 ) -> tuple[ModelState, dict[str, Any]]:
     """Train one planned round and aggregate it; returns the new model and its record.
 
     A round where fewer than `strategy.min_results` updates count (dropouts,
-    rejected updates) changes nothing, as in a deployment: the model stays.
+    rejected updates, clients SecAgg+ left out) changes nothing, as in a deployment:
+    the model stays. With `secure`, the updates are summed by a SecAgg+ round.
     """
     start = time.perf_counter()
     aggregate = strategy.begin_round(plan.server_round, global_state)
@@ -142,12 +151,16 @@ def train_round(
             f"{type(strategy).__name__} says needs_only_sum but its begin_round returns a "
             f"{type(aggregate).__name__}, not a WeightedSum that partial sums can merge into"
         )
-    fold = RoundFold(aggregate, plan)
+    uploads = secure.uploads(global_state.specs) if secure is not None else None
+    fold = RoundFold(aggregate if uploads is None else uploads, plan)
     training = len(plan.training)
     for event in backend.run_round(plan, global_state):
         fold.add(event)
         if on_progress is not None:
             on_progress(plan.server_round, fold.clients_done, training)
+    secagg: dict[str, Any] = {}
+    if secure is not None and uploads is not None:
+        secagg = secure.aggregate(plan, fold, uploads, aggregate)
     train_seconds = time.perf_counter() - start
     reported = len(fold.results)
     needed = strategy.min_results(len(plan.selected))
@@ -179,6 +192,7 @@ def train_round(
         "clients_per_s": training / train_seconds if train_seconds > 0 else None,
         **strategy.aggregate_metrics(fold.train_metrics()),
         **(strategy.round_metrics() if aggregated else {}),
+        **secagg,
     }
     return global_state, record
 

@@ -201,7 +201,9 @@ def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
     owned.append(server)
     for i, name in enumerate(("a", "b")):
         owned.append(_daemon(server, task, name, i))
-    fake = FakeSite(server.port, "zz", task_fingerprint(task), capabilities=("train", "secagg"))
+    fake = FakeSite(
+        server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
+    )
     owned.append(fake)
     instruction = fake.expect("instruction").instruction
     assert instruction.secagg
@@ -255,7 +257,9 @@ def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     owned.append(server)
     for i, name in enumerate(("a", "b")):
         owned.append(_daemon(server, task, name, i))
-    fake = FakeSite(server.port, "zz", task_fingerprint(task), capabilities=("train", "secagg"))
+    fake = FakeSite(
+        server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
+    )
     owned.append(fake)
     instruction = fake.expect("instruction").instruction
     if stage == "SETUP":
@@ -310,7 +314,9 @@ def test_secure_server_refuses_sites_that_cannot_mask(tmp_path: Path, owned: lis
     task = TinyTask()
     server = _server(tmp_path, task, sites=2)
     owned.append(server)
-    with pytest.raises(AssertionError, match="does not support secure aggregation"):
+    with pytest.raises(
+        AssertionError, match="does not speak the secure aggregation this server runs"
+    ):
         FakeSite(server.port, "old", task_fingerprint(task))
 
 

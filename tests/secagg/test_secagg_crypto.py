@@ -6,7 +6,9 @@ import os
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedtrain.errors import SecAggError
 from fedtrain.secagg import crypto
@@ -53,10 +55,13 @@ def test_share_encryption_is_bound_to_round_sender_receiver(ad: tuple[int, int, 
         crypto.decrypt_shares(key, ct, *ad)
 
 
-def test_mask_is_the_aes_ctr_keystream_added_mod_2_32() -> None:
+def test_mask_is_the_aes_128_ctr_keystream_of_an_hkdf_key_added_mod_2_32() -> None:
     seed = os.urandom(32)
     n = 1001
-    enc = Cipher(algorithms.AES(seed), modes.CTR(bytes(16))).encryptor()
+    key = HKDF(hashes.SHA256(), 16, None, b"fedtrain/secagg/v1/mask-prg").derive(seed)
+    assert crypto.mask_key(seed) == key
+    counter = bytes(12) + (2).to_bytes(4, "big")  # GCM's first data block
+    enc = Cipher(algorithms.AES128(key), modes.CTR(counter)).encryptor()
     reference = np.frombuffer(enc.update(bytes(4 * n)), dtype="<u4").astype(np.uint32)
     target = np.full(n, 0xFFFFFFF0, dtype=np.uint32)
     crypto.MaskExpander(chunk_elements=64).apply(target, seed, 1)
@@ -74,6 +79,20 @@ def test_masks_of_chunks_at_offsets_match_the_whole(chunk: int, offset: int) -> 
     assert np.array_equal(part, whole[offset : offset + 200])
 
 
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 15])
+def test_many_masks_in_one_pass_equal_them_one_by_one(chunk: int) -> None:
+    target = np.random.default_rng(1).integers(0, 2**32, size=1000, dtype=np.uint32)
+    masks = [(crypto.new_seed(), sign) for sign in (1, -1, 1, 1, -1)]
+    one_by_one = target.copy()
+    for seed, sign in masks:
+        crypto.MaskExpander().apply(one_by_one, seed, sign)
+    crypto.MaskExpander(chunk_elements=chunk).apply_many(target[3:], masks, offset=3)
+    crypto.MaskExpander(chunk_elements=chunk).apply_many(target[:3], masks)
+    assert np.array_equal(target, one_by_one)
+    with pytest.raises(SecAggError, match="sign must be"):
+        crypto.MaskExpander().apply_many(target, [(crypto.new_seed(), 2)])
+
+
 def test_add_then_subtract_restores_and_input_checks() -> None:
     rng = np.random.default_rng(0)
     x = rng.integers(0, 2**32, size=5000, dtype=np.uint32)
@@ -86,5 +105,7 @@ def test_add_then_subtract_restores_and_input_checks() -> None:
     assert np.array_equal(x, y)
     with pytest.raises(SecAggError, match="32 bytes"):
         expander.apply(y, seed[:16], 1)
+    with pytest.raises(SecAggError, match="outside"):
+        expander.apply(y, seed, 1, offset=crypto.MAX_MASK_ELEMENTS - 10)
     with pytest.raises(SecAggError, match="uint32"):
         expander.apply(y.astype(np.int64), seed, 1)
