@@ -151,9 +151,20 @@ class SimConfig:
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
     )
     device: str = option("cpu", "Device virtual clients train on ('cpu', 'cuda', 'cuda:1').")
+    gpus_per_client: float = option(
+        1.0,
+        "With device = 'cuda' on the `process` backend: the share of a GPU each concurrent "
+        "client (worker) takes; workers spread round-robin over the visible GPUs (0.25: four "
+        "per GPU) and `workers = 0` means as many as fit. At most 1 (a client is one process).",
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"workers = {self.workers} should be >= 0 (0: one per CPU core)")
+        if not 0 < self.gpus_per_client <= 1:
+            raise ConfigError(
+                f"gpus_per_client = {self.gpus_per_client} should be in (0, 1]: a virtual "
+                "client trains in one process on one GPU (a fraction packs several on one)"
+            )
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")

@@ -40,22 +40,31 @@ class WorkerSetup:
     config: SimConfig
     specs: tuple[TensorSpec, ...]
     torch_threads: int = 0  # 0: leave torch's default; workers sharing a machine set it
+    #: Device of worker i is devices[i % len]; empty: `config.device` for every worker.
+    devices: tuple[str, ...] = ()
+
+    def device_of(self, worker: int) -> str:
+        return self.devices[worker % len(self.devices)] if self.devices else self.config.device
 
 
 class ClientRunner:
     """Trains virtual clients in turn; owns their data and, if any, their state."""
 
     def __init__(
-        self, setup: WorkerSetup, data: tuple[Dataset, ClientPopulation] | None = None
+        self,
+        setup: WorkerSetup,
+        data: tuple[Dataset, ClientPopulation] | None = None,
+        worker: int = 0,
     ) -> None:
         """`data`: the training set and population when the caller has them already
-        (the inline backend shares the driver's); otherwise they are built here."""
+        (the inline backend shares the driver's); otherwise they are built here.
+        `worker`: this runner's index, which picks its device (`WorkerSetup.devices`)."""
         if setup.torch_threads > 0:
             torch.set_num_threads(setup.torch_threads)
         self.task = setup.task
         self.specs = setup.specs
         self.seed = setup.config.seed
-        self.device = resolve_device(setup.config.device)
+        self.device = resolve_device(setup.device_of(worker))
         if data is None:
             train, _ = self.task.datasets()
             data = (train, ClientPopulation.build(self.task, train, setup.config))

@@ -195,7 +195,7 @@ def worker_main(
     exit_with_parent()
     transport = EventTransport(setup.specs)
     try:
-        runner = ClientRunner(setup)
+        runner = ClientRunner(setup, worker=worker)
     except Exception as exc:
         conn.send(WorkerFailed(worker, None, repr(exc), traceback.format_exc()))
         return
