@@ -66,21 +66,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def dump_toml(data: Mapping[str, Any]) -> str:
-    """TOML text for nested tables of scalars and lists (what server/site.toml hold)."""
+def dump_toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    """TOML text for nested tables of scalars and lists (what server/site.toml hold);
+    a table inside a table becomes a dotted header, e.g. [strategy.options]."""
     lines: list[str] = []
     tables: list[tuple[str, Mapping[str, Any]]] = []
     for key, value in data.items():
         if isinstance(value, Mapping):
-            tables.append((key, value))
+            tables.append((f"{prefix}{key}", value))
         else:
             lines.append(f"{key} = {_toml_value(value)}")
     for name, table in tables:
-        body = dump_toml({k: v for k, v in table.items()})
-        nested = [ln for ln in body.splitlines() if ln.startswith("[")]
-        if nested:
-            raise ValueError(f"dump_toml supports one level of tables; [{name}] nests tables")
-        lines += ["", f"[{name}]", body.rstrip()]
+        lines += ["", f"[{name}]", dump_toml(table, f"{name}.").rstrip()]
     return "\n".join(lines).strip() + "\n"
 
 

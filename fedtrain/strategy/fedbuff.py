@@ -108,6 +108,12 @@ class StalenessBuffer(WeightedSum):
 
         Raises `StaleUpdate` (and counts it) beyond `max_staleness`.
         """
+        self._pending = self.check(base_version)
+        return self._pending
+
+    def check(self, base_version: int) -> tuple[int, float]:
+        """`stage` without staging: whether an update from `base_version` would be taken
+        (e.g. before its bytes are received). A stale one is counted here already."""
         staleness = self.version - base_version
         if staleness < 0:
             raise UpdateRejected(
@@ -121,8 +127,7 @@ class StalenessBuffer(WeightedSum):
                 f"(the model is at version {self.version}; max_staleness = "
                 f"{self.max_staleness}); dropped"
             )
-        self._pending = (staleness, self.weigh(staleness))
-        return self._pending
+        return staleness, self.weigh(staleness)
 
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         super().add_chunk(name, start, values, weight * self._pending[1])

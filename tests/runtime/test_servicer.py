@@ -49,14 +49,6 @@ def _server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> Aggrega
     return server
 
 
-@pytest.fixture
-def stop_after() -> Iterator[list[Any]]:
-    owned: list[Any] = []
-    yield owned
-    for thing in reversed(owned):
-        thing.stop() if hasattr(thing, "stop") else thing.close()
-
-
 def _audit(server: AggregationServer) -> list[dict[str, Any]]:
     return read_audit(server.run_dir.path / "audit.jsonl")
 
