@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_backends import without_timing
 
+from fedtrain.config import from_dict, load_toml
 from fedtrain.errors import ConfigError, SimulationError
-from fedtrain.simulation import run_simulation
+from fedtrain.simulation import SimConfig, run_simulation
 from fedtrain.simulation.config import HeterogeneityConfig
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.population import ClientPopulation
+from fedtrain.strategy import FedBuff
 from fedtrain.task import load_task
 
 
@@ -130,3 +134,12 @@ def test_speeds_are_seeded_log_uniform_and_scale_job_time():
 def test_bad_speed_range_is_refused(bad):
     with pytest.raises(ConfigError, match=r"heterogeneity\.speed_range"):
         HeterogeneityConfig(speed_range=bad)
+
+
+def test_the_example_config_builds_fedbuff():
+    path = Path(__file__).resolve().parents[2] / "simulations" / "digits_fedbuff.toml"
+    config = from_dict(SimConfig, load_toml(path))
+    strategy = config.strategy.build(config.client)
+    assert isinstance(strategy, FedBuff) and strategy.asynchronous
+    assert (strategy.buffer_size, strategy.concurrency) == (10, 20)
+    assert config.heterogeneity.speed_range == [1.0, 10.0]
