@@ -21,6 +21,7 @@ from fedtrain.errors import ConfigError
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server import AggregationServer
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -175,3 +176,31 @@ def test_fedbuff_with_secure_aggregation_is_refused_at_configuration() -> None:
             ServerConfig,
             {"task": "runtime_support:TinyTask", "secagg": True, "strategy": fedbuff(2)},
         )
+
+
+def test_resume_continues_from_the_last_version(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    first = _server(tmp_path, task, rounds=3, strategy=fedbuff(1, buffer_size=1))
+    stop_after.append(first)
+    fp = task_fingerprint(task)
+    site = FakeSite(first.port, "a", fp)
+    stop_after.append(site)
+    for _ in range(2):
+        upload(site, job(site), 0.1, 10)
+    wait_for(lambda: first.coordinator.global_model.round == 2, 10, "version 2")
+    version_2 = first.coordinator.global_model
+    site.close()
+    first.stop()
+
+    second = AggregationServer(first.config, insecure=True, task=task, resume=True)
+    second.start()
+    stop_after.append(second)
+    site = FakeSite(second.port, "a", fp)
+    stop_after.append(site)
+    resumed = job(site)
+    assert resumed.model_version == version_2.version
+    assert wire.config_from_proto(resumed.config)["version"] == 2
+    upload(site, resumed, 0.1, 10)
+    assert second.wait(20) and second.coordinator.error is None
+    records = (second.run_dir.path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in records] == [1, 2, 3]
