@@ -96,7 +96,7 @@ class ServerConfig:
     task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
     address: str = option(DEFAULT_ADDRESS, "host:port to listen on ('0.0.0.0:PORT' for all).")
     run_dir: str = option("runs/server", "Directory for config, metrics, audit, checkpoints.")
-    rounds: int = option(10, "Number of federated rounds.")
+    rounds: int = option(10, "Number of federated rounds (fedbuff: model versions).")
     seed: int = option(0, "Seed of the initial model and of participant sampling.")
     device: str = option("cpu", "Device for the server-side evaluation of the global model.")
     eval_every: int = option(1, "Evaluate the global model on the task's test set every N rounds.")

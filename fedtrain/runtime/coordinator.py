@@ -25,14 +25,14 @@ import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime import wire
+from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.checkpoints import CheckpointWriter
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.runtime.sessions import Session, SessionRegistry, instruct
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
@@ -123,7 +123,6 @@ class Coordinator:
         self.test_data = task.datasets()[1]
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
-        self.current: RoundState | None = None
         self.last_metrics: dict[str, Any] = {}
         self.finished = threading.Event()
         self.checkpoints = CheckpointWriter(run_dir, audit)
@@ -155,6 +154,11 @@ class Coordinator:
                 else "",
             )
         registry.on_leave(self._on_leave)
+        #: The attempt in progress, or FedBuff's buffer for the whole run (which also
+        #: takes uploads between versions).
+        self.current: RoundState | BufferedRounds | None = None
+        if strategy.asynchronous:
+            self.current = BufferedRounds(self)
 
     # -- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self) -> tuple[GlobalModel, str]:
@@ -205,9 +209,13 @@ class Coordinator:
                 fingerprint=self.fingerprint,
                 model_version=self.global_model.version,
             )
-            for server_round in range(self.global_model.round + 1, self.config.rounds + 1):
-                if not self._run_round(server_round):
+            if isinstance(self.current, BufferedRounds):  # asynchronous: FedBuff
+                if not self.current.run():
                     return
+            else:
+                for server_round in range(self.global_model.round + 1, self.config.rounds + 1):
+                    if not self._run_round(server_round):
+                        return
             self._complete()
         except Exception as exc:  # the thread's boundary: record it, end the run, never hang
             log.exception("the round loop failed; the server stops")
@@ -308,15 +316,14 @@ class Coordinator:
                 # It ended before `current` was published, so the leave hook missed it.
                 state.settle(session, Outcome.DROPPED)
                 continue
-            instruction = pb.Instruction(
-                round=server_round,
-                kind=pb.TRAIN,
-                model_version=model.version,
-                deadline_unix=deadline_unix,
+            instruct(
+                session,
+                server_round,
+                model.version,
+                plan[session.site],
+                deadline_unix,
                 secagg=isinstance(state, SecureRoundState),
             )
-            wire.config_to_proto(plan[session.site], instruction.config)
-            session.send(pb.ServerMessage(instruction=instruction))
         if isinstance(state, SecureRoundState):
             state.start()  # key agreement runs while the sites download and train
         return state
@@ -331,12 +338,50 @@ class Coordinator:
         self.checkpoints.wait()  # the previous round's write still reads the strategy's state
         new_state = self.strategy.finalize_round(server_round, old.state, state.aggregate)
         self.current = None  # releases the accumulator once in-flight handlers let go
-        model = GlobalModel(server_round, new_model_version(), new_state)
+        model = self.publish(server_round, new_state)
+        self.checkpoint(model)
+        record: dict[str, Any] = {
+            "round": server_round,
+            "attempts": state.attempt,
+            "clients": len(summary.contributors),
+            "selected": len(summary.selected),
+            "dropped": summary.dropped,
+            "failed": summary.failed,
+            **self.transfer_metrics(),
+            **self.strategy.aggregate_metrics(summary.results),
+            **self.strategy.round_metrics(),  # e.g. DP's epsilon, as in a simulation
+        }
+        if summary.dropped or summary.failed:
+            log.warning(
+                "round %d finished without %s",
+                server_round,
+                ", ".join(summary.dropped + summary.failed),
+            )
+        self.record_round(
+            record,
+            started,
+            model,
+            attempt=state.attempt,
+            contributors=summary.contributors,
+            dropped=summary.dropped,
+            failed=summary.failed,
+        )
+        return True
+
+    # -- what every new global model goes through (rounds and FedBuff versions) ------------
+    def publish(self, server_round: int, state: ModelState) -> GlobalModel:
+        """Make `state` the global model that downloads and evaluation see."""
+        model = GlobalModel(server_round, new_model_version(), state)
         self.global_model = model
-        self._bind_eval_model(new_state)
+        self._bind_eval_model(state)
+        return model
+
+    def checkpoint(self, model: GlobalModel) -> None:
+        """Start writing the atomic checkpoint `--resume` continues from (in the
+        background: `checkpoints.wait()` before the strategy's state changes again)."""
         self.checkpoints.submit(
-            server_round,
-            new_state,
+            model.round,
+            model.state,
             self.strategy.state_dict(),
             extra={
                 "rng": self.rng.bit_generator.state,
@@ -345,49 +390,37 @@ class Coordinator:
                 "model_version": model.version,
             },
         )
+
+    def transfer_metrics(self) -> dict[str, int]:
+        """Tensor bytes in and out since the last record."""
         bytes_in, bytes_out = self.transfers.take()
-        record: dict[str, Any] = {
-            "round": server_round,
-            "attempts": state.attempt,
-            "clients": len(summary.contributors),
-            "selected": len(summary.selected),
-            "dropped": summary.dropped,
-            "failed": summary.failed,
-            "bytes": bytes_in + bytes_out,
-            "bytes_in": bytes_in,
-            "bytes_out": bytes_out,
-            **self.strategy.aggregate_metrics(summary.results),
-            **self.strategy.round_metrics(),  # e.g. DP's epsilon, as in a simulation
-            "loss": None,
-            "accuracy": None,
-        }
+        return {"bytes": bytes_in + bytes_out, "bytes_in": bytes_in, "bytes_out": bytes_out}
+
+    def evaluate_into(self, record: dict[str, Any]) -> None:
+        """Set the record's loss and accuracy: evaluated every `eval_every` and at the end."""
+        record["loss"], record["accuracy"] = None, None
+        server_round = record["round"]
         if self.test_data is not None and (
             server_round % self.config.eval_every == 0 or server_round == self.config.rounds
         ):
             context = TaskContext(device=self.device, client_id="server", seed=self.config.seed)
             ev = self.task.evaluate(self._eval_model, self.test_data, self.config.client, context)
             record["loss"], record["accuracy"] = ev.loss, ev.metrics.get("accuracy")
+
+    def record_round(
+        self, record: dict[str, Any], started: float, model: GlobalModel, **audit: Any
+    ) -> None:
+        """Evaluate (when due), then write the metrics line and the audit record of the
+        round that made `model`, and tell `on_round`."""
+        self.evaluate_into(record)
         record["seconds"] = time.perf_counter() - started
         self.run_dir.log_metrics(record)
         self.last_metrics = record
         self.audit.record(
-            "round_completed",
-            round=server_round,
-            attempt=state.attempt,
-            contributors=summary.contributors,
-            dropped=summary.dropped,
-            failed=summary.failed,
-            model_version=model.version,
+            "round_completed", round=record["round"], model_version=model.version, **audit
         )
-        if summary.dropped or summary.failed:
-            log.warning(
-                "round %d finished without %s",
-                server_round,
-                ", ".join(summary.dropped + summary.failed),
-            )
         if self.on_round is not None:
             self.on_round(record)
-        return True
 
     def _retry(self, summary: RoundSummary) -> None:
         needed = max(1, self.strategy.min_results(len(summary.selected)))
@@ -453,5 +486,16 @@ class Coordinator:
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update."""
         state = self.current
-        if state is not None and state.round == server_round:
+        if isinstance(state, BufferedRounds):
+            state.job_failed(session, server_round)
+        elif state is not None and state.round == server_round:
             state.settle(session, Outcome.FAILED)
+
+    def model_for_download(self, session: Session, version: str) -> GlobalModel | None:
+        """The model a site asks for: the current one, or under FedBuff an older version
+        a site was told to train from before the model moved on; None if gone."""
+        state = self.current
+        if isinstance(state, BufferedRounds):
+            return state.model_for(session, version)
+        model = self.global_model
+        return model if not version or version == model.version else None

@@ -234,13 +234,14 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self, request: pb.ModelRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ModelPiece | object]:
         session = self._session(request.session_token, context, "model download")
-        model = self.coordinator.global_model
-        if request.version and request.version != model.version:
+        model = self.coordinator.model_for_download(session, request.version)
+        if model is None:
+            current = self.coordinator.global_model
             _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {session.site!r} asked for model {request.version[:12]}, but the current "
-                f"global model is {model.version[:12]} (after round {model.round})",
+                f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
         yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))

@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.strategy import RoundConfig
 
 log = logging.getLogger(__name__)
 
 LeaveListener = Callable[["Session", str], None]
+JoinListener = Callable[["Session"], None]
 
 
 def new_session_token() -> str:
@@ -52,6 +55,27 @@ class Session:
         self.last_seen = time.monotonic()
 
 
+def instruct(
+    session: Session,
+    server_round: int,
+    model_version: str,
+    config: RoundConfig,
+    deadline_unix: float,
+    *,
+    secagg: bool = False,
+) -> None:
+    """Push a TRAIN instruction onto the site's control stream."""
+    instruction = pb.Instruction(
+        round=server_round,
+        kind=pb.TRAIN,
+        model_version=model_version,
+        deadline_unix=deadline_unix,
+        secagg=secagg,
+    )
+    wire.config_to_proto(config, instruction.config)
+    session.send(pb.ServerMessage(instruction=instruction))
+
+
 class SessionRegistry:
     """Sessions by site and by token; thread-safe, with a condition for membership changes."""
 
@@ -61,10 +85,15 @@ class SessionRegistry:
         self._by_site: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._listeners: list[LeaveListener] = []
+        self._join_listeners: list[JoinListener] = []
         self._stopped = False
 
     def on_leave(self, listener: LeaveListener) -> None:
         self._listeners.append(listener)
+
+    def on_join(self, listener: JoinListener) -> None:
+        """Call `listener(session)` after each new session is registered (outside the lock)."""
+        self._join_listeners.append(listener)
 
     def add(self, site: str, peer: str) -> tuple[Session, Session | None]:
         """Register a new session for `site`; returns it and the session it replaced.
@@ -78,6 +107,8 @@ class SessionRegistry:
             self._by_site[site] = session
             self._by_token[session.token] = session
             self.changed.notify_all()
+        for listener in self._join_listeners:
+            listener(session)
         return session, old
 
     def remove(self, session: Session, reason: str) -> bool:

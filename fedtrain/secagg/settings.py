@@ -129,11 +129,22 @@ def require_sum_only(strategy: Any, where: str = "strategy.name") -> None:
 
     Under secure aggregation the server only ever holds the sum, so a strategy that
     looks at individual updates (median, trimmed mean, Krum) or clips them on the
-    server (dpfedavg) cannot run; it says so with ``needs_only_sum = False``.
+    server (dpfedavg) cannot run; it says so with ``needs_only_sum = False``. An
+    asynchronous strategy (FedBuff) is refused too: SecAgg+ masks cancel only within
+    one synchronous cohort.
     """
+    name = getattr(strategy, "name", type(strategy).__name__)
+    if getattr(strategy, "asynchronous", False):
+        raise ConfigError(
+            f"{where} = {name!r} cannot run with secure aggregation: SecAgg+ masks cancel "
+            "only within a cohort of sites that agree keys and upload in one synchronous "
+            f"round, while {name} folds each update on its own as it arrives, against the "
+            "model version that site trained from (buffered asynchronous secure aggregation "
+            "is an open research problem). Turn secure aggregation off (secagg.enabled = "
+            "false) or use a synchronous strategy such as fedavg"
+        )
     if getattr(strategy, "needs_only_sum", True):
         return
-    name = getattr(strategy, "name", type(strategy).__name__)
     raise ConfigError(
         f"{where} = {name!r} cannot run with secure aggregation: it needs every site's "
         "update (or clips them on the server), but with secagg the server only learns their "

@@ -28,7 +28,11 @@ class PartitionConfig:
 
 @dataclass
 class StrategyConfig:
-    name: str = option("fedavg", "Server algorithm (see fedtrain.strategy.STRATEGIES).")
+    name: str = option(
+        "fedavg",
+        "Server algorithm (see fedtrain.strategy.STRATEGIES); `fedbuff` runs asynchronously: "
+        "clients train continuously and every `buffer_size` updates make a new model version.",
+    )
     fraction_fit: float = option(1.0, "Fraction of available clients that train each round.")
     min_fit_clients: int = option(2, "At least this many clients train each round.")
     min_available_clients: int = option(2, "Rounds wait until this many clients exist.")
@@ -37,7 +41,9 @@ class StrategyConfig:
         "The algorithm's own options, e.g. proximal_mu (fedprox), server_lr / server_momentum "
         "(fedavgm), server_lr / beta_1 / beta_2 / tau (fedadam, fedyogi, fedadagrad), beta "
         "(fedtrimmedavg), num_malicious / num_to_keep (krum), noise_multiplier / clip_norm / "
-        "adaptive_clipping / delta (dpfedavg).",
+        "adaptive_clipping / delta (dpfedavg), buffer_size / server_lr / concurrency / "
+        "staleness / staleness_exponent / hinge_slope / hinge_threshold / max_staleness "
+        "(fedbuff).",
     )
 
     def build(self, client_config: dict[str, Any]) -> Strategy:
@@ -62,7 +68,14 @@ class HeterogeneityConfig:
     dropout_rate: float = option(
         0.0,
         "Fraction of each round's chosen clients that never report (seeded; a straggler "
-        "past the deadline looks the same). The round counts while `min_fit_clients` report.",
+        "past the deadline looks the same). The round counts while `min_fit_clients` report. "
+        "With fedbuff: the probability that a training job never reports.",
+    )
+    speed_range: list[float] = option(
+        [],
+        "[min, max] slowdown of each client's device, drawn once per client (seeded, "
+        "log-uniform). fedbuff's virtual clock: a training job takes slowdown x epochs x "
+        "examples time units (1 unit: one example-epoch on the fastest device). []: all 1.",
     )
 
     def __post_init__(self) -> None:
@@ -71,6 +84,12 @@ class HeterogeneityConfig:
             raise ConfigError(
                 f"heterogeneity.epochs_range = {r!r} should be [] or [min, max] "
                 "with 1 <= min <= max"
+            )
+        speeds = self.speed_range
+        if speeds and (len(speeds) != 2 or not 0 < speeds[0] <= speeds[1]):
+            raise ConfigError(
+                f"heterogeneity.speed_range = {speeds!r} should be [] or [min, max] "
+                "with 0 < min <= max"
             )
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ConfigError(
@@ -118,7 +137,7 @@ class SecAggSimSettings(SecAggSettings):
 class SimConfig:
     task: str = option(doc="Task to run, as 'package.module:ClassName'.")
     task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
-    rounds: int = option(10, "Number of federated rounds.")
+    rounds: int = option(10, "Number of federated rounds (fedbuff: model versions).")
     num_clients: int = option(10, "Number of virtual clients the training set is split into.")
     seed: int = option(0, "Seed of every stochastic choice (model init, partition, sampling).")
     backend: Literal["inline", "process", "ray"] = option(

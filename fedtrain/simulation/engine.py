@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch import nn
@@ -58,6 +58,32 @@ def build_from_config(config: SimConfig) -> tuple[Task, Strategy]:
     return task, config.strategy.build(config.client)
 
 
+class Prepared(NamedTuple):
+    """What every simulation loop builds before its first client trains."""
+
+    run_dir: RunDir
+    train: Dataset
+    test: Dataset | None
+    population: ClientPopulation
+    heterogeneity: Heterogeneity
+    model: nn.Module  # the driver's model: initial weights, then evaluation
+    global_state: ModelState
+    setup: WorkerSetup
+
+
+def prepare(config: SimConfig, task: Task) -> Prepared:
+    """The run directory (config written), data, clients and the initial global model."""
+    run_dir = RunDir(config.run_dir)
+    run_dir.write_config(dataclasses.asdict(config))
+    train, test = task.datasets()
+    population = ClientPopulation.build(task, train, config)
+    heterogeneity = Heterogeneity(config.heterogeneity, len(population), config.seed)
+    model = model_for(task, config.seed).to(resolve_device(config.device))
+    global_state = ModelState.from_module(model)
+    setup = WorkerSetup(task, config, global_state.specs)
+    return Prepared(run_dir, train, test, population, heterogeneity, model, global_state, setup)
+
+
 def run_simulation(
     config: SimConfig,
     *,
@@ -74,15 +100,13 @@ def run_simulation(
     if task is None or strategy is None:
         built_task, built_strategy = build_from_config(config)
         task, strategy = task or built_task, strategy or built_strategy
-    run_dir = RunDir(config.run_dir)
-    run_dir.write_config(dataclasses.asdict(config))
-    train, test = task.datasets()
-    population = ClientPopulation.build(task, train, config)
-    heterogeneity = Heterogeneity(config.heterogeneity, len(population), config.seed)
-    device = resolve_device(config.device)
-    model = model_for(task, config.seed).to(device)  # initial weights, then evaluation
-    global_state = ModelState.from_module(model)
-    setup = WorkerSetup(task, config, global_state.specs)
+    if strategy.asynchronous:
+        from fedtrain.simulation.async_engine import run_buffered
+
+        return run_buffered(config, task, strategy, on_round, on_progress)
+    run_dir, train, test, population, heterogeneity, model, global_state, setup = prepare(
+        config, task
+    )
     rng = np.random.default_rng(config.seed)
     secure = SecureAggregation(config) if config.secagg.enabled else None
     if secure is not None:

@@ -9,6 +9,7 @@ from fedtrain.strategy.aggregate import WeightedSum, compute_delta, validate_upd
 from fedtrain.strategy.base import RoundConfig, Scalar, Strategy, weighted_metrics
 from fedtrain.strategy.dpfedavg import DPFedAvg
 from fedtrain.strategy.fedavg import FedAvg
+from fedtrain.strategy.fedbuff import FedBuff, StalenessBuffer, StaleUpdate
 from fedtrain.strategy.fedopt import FedAdagrad, FedAdam, FedAvgM, FedYogi
 from fedtrain.strategy.fedprox import FedProx
 from fedtrain.strategy.robust import FedMedian, FedTrimmedAvg, Krum
@@ -23,6 +24,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FedAdagrad,
         FedAdam,
         FedYogi,
+        FedBuff,
         FedMedian,
         FedTrimmedAvg,
         Krum,
@@ -51,6 +53,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedBuff",
     "FedMedian",
     "FedProx",
     "FedTrimmedAvg",
@@ -58,6 +61,8 @@ __all__ = [
     "Krum",
     "RoundConfig",
     "Scalar",
+    "StaleUpdate",
+    "StalenessBuffer",
     "Strategy",
     "WeightedSum",
     "build_strategy",

@@ -43,6 +43,10 @@ class Strategy(ABC):
     #: updates elsewhere into partial `WeightedSum`s (simulation workers do) and
     #: `merge` those into it: the strategy sees the same sum either way.
     needs_only_sum: ClassVar[bool] = True
+    #: Whether updates are folded as they arrive, each against the model version its
+    #: client trained from, instead of in synchronous rounds (FedBuff). Drivers run
+    #: such strategies on their asynchronous loop; secure aggregation refuses them.
+    asynchronous: ClassVar[bool] = False
 
     def __init__(
         self,

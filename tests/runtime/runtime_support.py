@@ -69,6 +69,20 @@ class TinyTask(TorchTask):
         return result
 
 
+class PacedTask(TinyTask):
+    """TinyTask on a device of fixed speed: every training batch takes `batch_s` longer,
+    so a site with 10x the pause is about 10x slower."""
+
+    def __init__(self, batch_s: float = 0.0) -> None:
+        super().__init__()
+        self.batch_s = batch_s
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # training, not the server's evaluation
+            time.sleep(self.batch_s)
+        return super().loss(output, target)
+
+
 class Bf16Net(nn.Module):
     """bfloat16 weights plus an int64 buffer: dtypes numpy cannot even represent."""
 

@@ -58,3 +58,15 @@ class CountingTask(SyntheticTask):
             state["trace"] = torch.full((3,), float(config["round"]))
         result = super().train(model, data, config, context)
         return TrainResult(result.num_examples, {**result.metrics, "count": float(count)})
+
+
+class NanTask(SyntheticTask):
+    """Every update holds NaN (a diverged client), so the server must reject them all."""
+
+    def train(
+        self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
+    ) -> TrainResult:
+        result = super().train(model, data, config, context)
+        with torch.no_grad():
+            next(model.parameters()).fill_(float("nan"))
+        return result

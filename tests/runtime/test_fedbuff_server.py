@@ -1,0 +1,207 @@
+"""FedBuff in the server, in-process, with hand-driven sites over real gRPC.
+
+The test decides exactly when each site uploads, so staleness, weights, refusals,
+deferred hand-outs and deadlines are checked to the number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, wait_for
+from runtime_support import inprocess_server as _server
+from test_servicer import _audit, _download, _refused
+
+from fedtrain.config import from_dict
+from fedtrain.errors import ConfigError
+from fedtrain.runtime import wire
+from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server import AggregationServer
+from fedtrain.task import task_fingerprint
+from fedtrain.tensors import ModelState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def fedbuff(sites: int, **options: Any) -> dict[str, Any]:
+    return {
+        "name": "fedbuff",
+        "min_fit_clients": 1,
+        "min_available_clients": sites,
+        "options": {"buffer_size": 2, **options},
+    }
+
+
+def upload(site: FakeSite, job: pb.Instruction, value: float, n: int) -> pb.UploadReceipt:
+    """A delta of `value` everywhere, for the job's model."""
+    delta = ModelState({k: torch.full_like(v, value) for k, v in _download(site, "").items()})
+    return site.upload(
+        [
+            site.header(job.round, num_examples=n, model_version=job.model_version),
+            *chunk_messages(delta.chunks(CHUNK)),
+        ]
+    )
+
+
+def job(site: FakeSite) -> pb.Instruction:
+    return site.expect("instruction").instruction
+
+
+def test_staleness_weights_refusals_and_retained_versions(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, rounds=4, strategy=fedbuff(3, max_staleness=1))
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b, c = (FakeSite(server.port, name, fp) for name in ("a", "b", "c"))
+    stop_after += [a, b, c]
+    versions = [server.coordinator.global_model]
+    jobs = {site.name: job(site) for site in (a, b, c)}  # handed out once all three joined
+    assert sorted(j.round for j in jobs.values()) == [1, 2, 3]
+    for j in jobs.values():
+        assert j.model_version == versions[0].version
+        assert wire.config_from_proto(j.config)["version"] == 0
+
+    # a's update alone does not fill the buffer: a gets its next job at once, from version 0
+    upload(a, jobs["a"], 0.1, 10)
+    a_next = job(a)
+    assert a_next.model_version == versions[0].version and a_next.round == 4
+    err = _refused(a, [a.header(jobs["a"].round)])
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "current job is 4" in err.details()
+    # b's fills it: version 1 = version 0 + (10 * 0.1 + 30 * 0.3) / 40; b waits for it
+    upload(b, jobs["b"], 0.3, 30)
+    b_next = job(b)
+    versions.append(server.coordinator.global_model)
+    assert versions[1].round == 1 and b_next.model_version == versions[1].version
+    expected = {k: v + 0.25 for k, v in versions[0].state.items()}
+    for name, tensor in versions[1].state.items():
+        torch.testing.assert_close(tensor, expected[name])
+
+    # c fetches the model of its job, version 0, although the model moved on
+    assert _download(c, jobs["c"].model_version).equal(versions[0].state)
+    # c's and a's updates (from version 0) are 1 version stale: each weighs 1/sqrt(2)
+    upload(c, jobs["c"], 1.0, 20)
+    c_next = job(c)
+    upload(a, a_next, 0.5, 20)
+    a_next = job(a)
+    versions.append(server.coordinator.global_model)
+    step = (20 * 1.0 + 20 * 0.5) / math.sqrt(2) / 40
+    for name, tensor in versions[2].state.items():
+        torch.testing.assert_close(tensor, versions[1].state[name] + step)
+    with pytest.raises(grpc.RpcError) as info:  # version 0 is gone now: nobody needs it
+        c.download(versions[0].version)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+
+    # a (from version 2) and c (from version 1) make version 3...
+    upload(a, a_next, 0.0, 5)
+    a_next = job(a)
+    upload(c, c_next, 0.0, 5)
+    c_next = job(c)
+    assert server.coordinator.global_model.round == 3
+    # ...so b's job from version 1 is 2 versions stale: refused, and b gets a new one
+    err = _refused(b, [b.header(b_next.round, model_version=b_next.model_version)])
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "2 versions stale" in err.details() and "max_staleness = 1" in err.details()
+    assert job(b).model_version == server.coordinator.global_model.version
+
+    upload(a, a_next, 0.0, 5)
+    job(a)  # the buffer is not full yet: a trains on
+    upload(c, c_next, 0.0, 5)  # version 4, the last: the run is complete
+    assert server.wait(20) and server.coordinator.error is None
+    assert a.expect("shutdown").shutdown.reason == "run complete"
+
+    records = server.run_dir.path / "metrics.jsonl"
+    metrics = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["round"] for r in metrics] == [1, 2, 3, 4]
+    assert [r["contributors"] for r in metrics] == [["a", "b"], ["c", "a"], ["a", "c"], ["a", "c"]]
+    assert [r["staleness_max"] for r in metrics] == [0, 1, 1, 1]
+    assert metrics[1]["staleness_weight_mean"] == pytest.approx(1 / math.sqrt(2))
+    assert [r["stale_dropped"] for r in metrics] == [0, 0, 0, 1]
+    audit = _audit(server)
+    buffered = [r for r in audit if r["event"] == "update_buffered"]
+    assert [(r["site"], r["staleness"]) for r in buffered[:4]] == [
+        ("a", 0),
+        ("b", 0),
+        ("c", 1),
+        ("a", 1),
+    ]
+    assert buffered[2]["weight"] == pytest.approx(1 / math.sqrt(2))
+    (stale,) = [r for r in audit if r["event"] == "update_stale"]
+    assert (stale["site"], stale["staleness"], stale["max_staleness"]) == ("b", 2, 1)
+    rejected = [r for r in audit if r["event"] == "upload_rejected" and r["site"] == "b"]
+    assert "versions stale" in rejected[-1]["reason"]
+
+
+def test_overdue_and_departed_sites_are_dropouts_and_the_rest_carry_on(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask()
+    server = _server(
+        tmp_path,
+        task,
+        rounds=2,
+        round_timeout_s=1.0,
+        strategy=fedbuff(2, buffer_size=1),
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    x, y = FakeSite(server.port, "x", fp), FakeSite(server.port, "y", fp)
+    stop_after += [x, y]
+    x_job, y_job = job(x), job(y)
+    upload(y, y_job, 0.1, 10)  # version 1; y gets its next job...
+    job(y)
+    y.close()  # ...and leaves while it holds it: a dropout
+    wait_for(lambda: len(server.registry) == 1, 10, "y to leave")
+    x_next = job(x)  # x's first job passed its 1 s deadline: x gets a new one
+    assert x_next.round > x_job.round
+    assert x_next.model_version == server.coordinator.global_model.version
+    err = _refused(x, [x.header(x_job.round, model_version=x_job.model_version)])
+    assert "current job is" in err.details()
+    upload(x, x_next, 0.1, 10)
+    assert server.wait(20) and server.coordinator.error is None
+    last = json.loads((server.run_dir.path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["round"] == 2 and sorted(last["dropped"]) == ["x", "y"]
+    expired = [r for r in _audit(server) if r["event"] == "job_expired"]
+    assert [(r["site"], r["job"]) for r in expired] == [("x", x_job.round)]
+
+
+def test_fedbuff_with_secure_aggregation_is_refused_at_configuration() -> None:
+    with pytest.raises(ConfigError, match=r"'fedbuff' cannot run with secure aggregation"):
+        from_dict(
+            ServerConfig,
+            {"task": "runtime_support:TinyTask", "secagg": True, "strategy": fedbuff(2)},
+        )
+
+
+def test_resume_continues_from_the_last_version(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    first = _server(tmp_path, task, rounds=3, strategy=fedbuff(1, buffer_size=1))
+    stop_after.append(first)
+    fp = task_fingerprint(task)
+    site = FakeSite(first.port, "a", fp)
+    stop_after.append(site)
+    for _ in range(2):
+        upload(site, job(site), 0.1, 10)
+    wait_for(lambda: first.coordinator.global_model.round == 2, 10, "version 2")
+    version_2 = first.coordinator.global_model
+    site.close()
+    first.stop()
+
+    second = AggregationServer(first.config, insecure=True, task=task, resume=True)
+    second.start()
+    stop_after.append(second)
+    site = FakeSite(second.port, "a", fp)
+    stop_after.append(site)
+    resumed = job(site)
+    assert resumed.model_version == version_2.version
+    assert wire.config_from_proto(resumed.config)["version"] == 2
+    upload(site, resumed, 0.1, 10)
+    assert second.wait(20) and second.coordinator.error is None
+    records = (second.run_dir.path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["round"] for line in records] == [1, 2, 3]
