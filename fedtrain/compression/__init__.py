@@ -20,6 +20,8 @@ refuses the combination at configuration time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from fedtrain.errors import ConfigError, UpdateRejected
@@ -35,6 +37,15 @@ class Codec:
 
     def encode(self, delta: ModelState) -> ModelState:
         return delta
+
+    def site_state(self) -> dict[str, torch.Tensor]:
+        """What the codec keeps at the site between rounds (top-k's residual); {} if nothing."""
+        return {}
+
+    def load_site_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from an earlier `site_state()` (a simulation swaps clients in and out)."""
+        if state:
+            raise ValueError(f"codec {self.name!r} keeps no state, got {sorted(state)}")
 
     def decode(self, encoded: ModelState, specs: tuple[TensorSpec, ...]) -> ModelState:
         """Dense tensors shaped and typed like `specs`; refuses anything else."""
@@ -140,6 +151,12 @@ class TopKCodec(PartsCodec):
         self.fraction = fraction
         self.error_feedback = error_feedback
         self.residual: dict[str, torch.Tensor] = {}  # kept at the site, never sent
+
+    def site_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.residual)
+
+    def load_site_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.residual = dict(state)
 
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         flat = tensor.reshape(-1).to(torch.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
 from fedtrain.strategy import Strategy, build_strategy
@@ -112,6 +113,11 @@ class SimConfig:
         HeterogeneityConfig, "Simulated device differences and dropouts."
     )
     ray: RayConfig = section(RayConfig, "The `ray` backend's cluster and resources.")
+    compression: CompressionSettings = section(
+        CompressionSettings,
+        'Update codec (`compression = "int8"` or a [compression] table): each client '
+        "encodes its update, the server decodes it before folding.",
+    )
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
