@@ -33,7 +33,7 @@ import torch
 from fedtrain.errors import SecAggError
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.inmemory import Dropouts, run_in_memory
-from fedtrain.secagg.protocol import SecAggResult
+from fedtrain.secagg.protocol import EncodedNoise, SecAggResult
 from fedtrain.strategy.aggregate import WeightedSum, accumulator_dtype
 from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
 
@@ -151,17 +151,21 @@ def secure_weighted_sum(
     dropouts: Dropouts | None = None,
     round_id: int = 0,
     rng: np.random.Generator | int | None = None,
+    noise: EncodedNoise | None = None,
 ) -> WeightedSum:
     """One SecAgg+ round in memory over ``deltas``: the simulation's entry point.
 
     Site ``i`` (0-based) takes part as secagg id ``i + 1``; ``dropouts`` uses those ids
     (see :func:`run_in_memory`). Returns what a deployment's server would hand the
     strategy: the weighted sum over the sites that were included. Every delta is held
-    as a float32 vector for the round, so memory is O(sites x model).
+    as a float32 vector for the round, so memory is O(sites x model). ``noise`` is each
+    site's distributed-DP noise (`fedtrain.privacy.distributed`).
     """
     if len(deltas) != len(weights):
         raise SecAggError(f"{len(deltas)} deltas but {len(weights)} weights")
     layout = UpdateLayout.of(specs)
     vectors = [layout.flatten(d) for d in deltas]
-    result = run_in_memory(vectors, list(weights), config, dropouts, round_id=round_id, rng=rng)
+    result = run_in_memory(
+        vectors, list(weights), config, dropouts, round_id=round_id, rng=rng, noise=noise
+    )
     return layout.weighted_sum(result)
