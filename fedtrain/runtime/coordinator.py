@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
 from fedtrain.runtime.audit import AuditLog
@@ -135,7 +136,39 @@ class Coordinator:
                 if self.layout.excluded
                 else "",
             )
+        self.dp_accountant = self._distributed_dp(resume)
+        self._sampling_rate = 1.0
         registry.on_leave(self._on_leave)
+
+    def _distributed_dp(self, resume: bool) -> PrivacyAccountant | None:
+        """Distributed DP's accountant (None when off), checked against the real model.
+
+        The sites add the noise (they get its parameters in each round's SetupRequest);
+        the server checks that the quantization range holds it, refuses rounds that
+        could have fewer survivors than the noise is calibrated for, and accounts.
+        """
+        if self.secagg is None or self.layout is None or not self.secagg.privacy.enabled:
+            return None
+        dp = self.secagg.privacy.build()
+        dp.check(self.secagg.protocol().quantizer(), self.layout.length)
+        if dp.min_survivors > self.strategy.min_fit_clients:
+            raise ConfigError(
+                f"secagg.privacy.min_survivors = {dp.min_survivors} exceeds "
+                f"strategy.min_fit_clients = {self.strategy.min_fit_clients}: rounds the "
+                "strategy accepts could never be unmasked; lower it or raise min_fit_clients"
+            )
+        accountant = dp.accountant()
+        if resume:
+            accountant.replay(self._checkpoint_extra.get("dp_sampling_rates", []))
+        log.info(
+            "distributed DP on: sites clip to %g and add discrete Gaussian noise for noise "
+            "multiplier %g over >= %d survivors; epsilon reported at delta %g",
+            dp.clip_norm,
+            dp.noise_multiplier,
+            dp.min_survivors,
+            dp.delta,
+        )
+        return accountant
 
     # -- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self) -> tuple[GlobalModel, str]:
@@ -155,6 +188,7 @@ class Coordinator:
             )
         self.strategy.load_state_dict(strategy_state)
         self.rng.bit_generator.state = extra["rng"]
+        self._checkpoint_extra = extra
         log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
         return GlobalModel(done, state.digest(), state), str(extra["run_id"])
 
@@ -219,6 +253,7 @@ class Coordinator:
             if not plan:
                 self.registry.wait_for_change()
                 continue
+            self._sampling_rate = len(plan) / len(available)
             attempt += 1
             started = time.perf_counter()
             state = self._start_attempt(server_round, attempt, plan)
@@ -304,6 +339,10 @@ class Coordinator:
         server_round = state.round
         old = self.global_model
         new_state = self.strategy.finalize_round(server_round, old.state, state.aggregate)
+        privacy = self.strategy.round_metrics()
+        if self.dp_accountant is not None:
+            privacy["epsilon"] = self.dp_accountant.step(self._sampling_rate)
+            privacy["delta"] = self.dp_accountant.delta
         self.current = None  # releases the accumulator once in-flight handlers let go
         model = GlobalModel(server_round, new_state.digest(), new_state)
         self.global_model = model
@@ -317,6 +356,11 @@ class Coordinator:
                 "run_id": self.run_id,
                 "fingerprint": self.fingerprint,
                 "model_version": model.version,
+                **(
+                    {"dp_sampling_rates": self.dp_accountant.sampling_rates}
+                    if self.dp_accountant is not None
+                    else {}
+                ),
             },
         )
         bytes_in, bytes_out = self.transfers.take()
@@ -331,6 +375,7 @@ class Coordinator:
             "bytes_in": bytes_in,
             "bytes_out": bytes_out,
             **self.strategy.aggregate_metrics(summary.results),
+            **privacy,
             "loss": None,
             "accuracy": None,
         }

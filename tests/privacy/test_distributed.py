@@ -153,3 +153,14 @@ def test_noise_wraps_modulo_2_32_like_the_masks():
     assert encoded[-1] == 1  # the weight is never noised
     assert (signed < 0).any() and (signed > 0).any()
     assert abs(float(signed.std()) / dp.site_sigma(q, 1000) - 1) < 0.15
+
+
+def test_a_restarted_server_replays_the_rounds_into_its_accountant():
+    before = DistributedDP(1.0, 0.5, 2).accountant()
+    for rate in (1.0, 0.5, 0.5):
+        before.step(rate)
+    after = DistributedDP(1.0, 0.5, 2).accountant()
+    after.replay(before.sampling_rates)
+    assert after.epsilon == before.epsilon and after.rounds == 3
+    with pytest.raises(ConfigError, match="fresh accountant"):
+        after.replay([1.0])
