@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from fedtrain.errors import ConfigError, UpdateRejected
-from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
+from fedtrain.tensors import ModelState, TensorSpec, dtype_name, torch_dtype
 
 SEP = "::"
 
@@ -37,6 +37,11 @@ class Codec:
 
     def encode(self, delta: ModelState) -> ModelState:
         return delta
+
+    def encoded_specs(self, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        """What `encode` makes of an update shaped like `specs`: the tensors a server
+        accepts on the wire before it decodes them (a pure function of the specs)."""
+        return specs
 
     def site_state(self) -> dict[str, torch.Tensor]:
         """What the codec keeps at the site between rounds (top-k's residual); {} if nothing."""
@@ -89,6 +94,20 @@ class PartsCodec(Codec):
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def encoded_specs(self, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        out: list[TensorSpec] = []
+        for spec in specs:
+            if not torch_dtype(spec.dtype).is_floating_point or spec.numel == 0:
+                out.append(spec)
+                continue
+            for part, (dtype, shape) in self.part_specs(spec).items():
+                out.append(TensorSpec(f"{spec.name}{SEP}{part}", dtype_name(dtype), shape))
+        return tuple(out)
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """part -> (dtype, shape) of what `encode_tensor` returns for a tensor of `spec`."""
+        raise NotImplementedError
+
 
 class CastCodec(PartsCodec):
     """Floating tensors travel in a narrower float dtype."""
@@ -99,6 +118,9 @@ class CastCodec(PartsCodec):
 
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {self.name: tensor.to(self.dtype)}
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {self.name: (self.dtype, spec.shape)}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         t = _part(encoded, spec, self.name)
@@ -126,6 +148,14 @@ class Int8Codec(PartsCodec):
         scale = ((hi - lo) / 255.0).clamp_min(torch.finfo(torch.float32).tiny)
         q = ((blocks - lo[:, None]) / scale[:, None]).round().clamp(0, 255).to(torch.uint8)
         return {"q": q.reshape(-1)[: flat.numel()].contiguous(), "lo": lo, "scale": scale}
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        blocks = -(-spec.numel // self.block)
+        return {
+            "q": (torch.uint8, (spec.numel,)),
+            "lo": (torch.float32, (blocks,)),
+            "scale": (torch.float32, (blocks,)),
+        }
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         q, lo, scale = (_part(encoded, spec, p) for p in ("q", "lo", "scale"))
@@ -162,7 +192,7 @@ class TopKCodec(PartsCodec):
         flat = tensor.reshape(-1).to(torch.float32)
         if self.error_feedback and name in self.residual:
             flat = flat + self.residual[name]
-        k = max(1, int(self.fraction * flat.numel()))
+        k = self.kept(flat.numel())
         idx = flat.abs().topk(k, sorted=False).indices.sort().values
         values = flat[idx]
         if self.error_feedback:
@@ -170,6 +200,14 @@ class TopKCodec(PartsCodec):
             rest[idx] = 0.0
             self.residual[name] = rest
         return {"idx": idx.to(torch.int32), "val": values.to(tensor.dtype)}
+
+    def kept(self, numel: int) -> int:
+        """Entries sent of a tensor of `numel` (at least one)."""
+        return max(1, int(self.fraction * numel))
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        k = self.kept(spec.numel)
+        return {"idx": (torch.int32, (k,)), "val": (torch_dtype(spec.dtype), (k,))}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         idx, val = _part(encoded, spec, "idx"), _part(encoded, spec, "val")
