@@ -150,7 +150,17 @@ class Coordinator:
         if self.secagg is None or self.layout is None or not self.secagg.privacy.enabled:
             return None
         dp = self.secagg.privacy.build()
-        dp.check(self.secagg.protocol().quantizer(), self.layout.length)
+        quantizer = self.secagg.protocol().quantizer()
+        dp.check(quantizer, self.layout.length)
+        inflation = dp.sensitivity(quantizer, self.layout.length) * quantizer.step / dp.clip_norm
+        if inflation > 1.05:
+            log.warning(
+                "distributed DP: stochastic rounding on a grid of step %.3g adds %.0f%% to "
+                "the sensitivity, and so to the noise; a finer grid removes it (weights are "
+                "1 under DP: set secagg.max_weight = 1, or lower secagg.clip)",
+                quantizer.step,
+                100 * (inflation - 1),
+            )
         if dp.min_survivors > self.strategy.min_fit_clients:
             raise ConfigError(
                 f"secagg.privacy.min_survivors = {dp.min_survivors} exceeds "

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from fedtrain.compression.settings import CompressionSettings
-from fedtrain.config import from_dict
+from fedtrain.config import from_dict, load_toml
 from fedtrain.errors import ConfigError
 from fedtrain.simulation import SimConfig, run_simulation
 from fedtrain.simulation.worker import ClientRunner, WorkerSetup
@@ -113,3 +114,10 @@ def fake_delta(seed: int, scale: float = 1.0) -> ModelState:
 
 def flat(state: ModelState) -> torch.Tensor:
     return torch.cat([state["weight"].reshape(-1), state["bias"]])
+
+
+@pytest.mark.parametrize("name", ["digits_topk.toml", "digits_dp.toml"])
+def test_example_configs_read(name):
+    path = Path(__file__).resolve().parents[2] / "simulations" / name
+    config = from_dict(SimConfig, load_toml(path))
+    assert config.num_clients == 20 and config.partition.kind == "shards"
