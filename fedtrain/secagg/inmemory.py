@@ -68,6 +68,11 @@ def run_in_memory(
     lengths = {np.asarray(v).size for v in xs.values()}
     if len(lengths) != 1:
         raise SecAggError(f"all vectors must have the same size, got sizes {sorted(lengths)}")
+    if config.dp_noise_multiplier > 0 and noise is None:
+        raise SecAggError(
+            "the config asks for distributed DP (dp_noise_multiplier > 0) but no noise was "
+            "given: pass noise=DistributedDP.add_noise, with clipped updates and weight 1"
+        )
     drop: dict[int, set[int]] = {int(s): set(ids) for s, ids in (dropouts or {}).items()}
     for stage in drop:
         if stage not in range(4):

@@ -25,8 +25,9 @@ D = 20_000  # coordinates: the sample variance is within ~1% (one std) of the tr
 SPECS = ModelState({"w": torch.zeros(D), "steps": torch.tensor(0)}).specs
 
 
-def config(min_survivors: int, clip: float = 4.0) -> SecAggConfig:
-    return SecAggConfig(clip=clip, max_clients=10, max_weight=1.0, dp_min_survivors=min_survivors)
+def config(dp: DistributedDP, clip: float = 4.0) -> SecAggConfig:
+    """The secure-aggregation config that carries `dp` to the sites."""
+    return SecAggConfig(clip=clip, max_clients=10, max_weight=1.0, **dp.protocol_fields())
 
 
 def private_sum(deltas, dp: DistributedDP, cfg: SecAggConfig, **kwargs) -> torch.Tensor:
@@ -48,7 +49,7 @@ def test_sum_noise_has_the_calibrated_variance(sites, dropped):
     """Each site adds sigma^2 = (z Delta)^2 / m, so n survivors' sum has n/m times the
     target variance (z Delta)^2: exactly the target at n = m, more with more survivors."""
     dp = DistributedDP(noise_multiplier=0.8, clip_norm=0.5, min_survivors=4)
-    cfg = config(4)
+    cfg = config(dp)
     noise = private_sum(zeros(sites), dp, cfg, dropouts={2: dropped}, rng=7)
     survivors = sites - len(dropped)
     q = cfg.quantizer()
@@ -66,8 +67,8 @@ def test_sum_noise_has_the_calibrated_variance(sites, dropped):
 def test_noise_comes_from_the_csprng_not_the_seed():
     """The seed drives stochastic rounding only; two runs with one seed differ."""
     dp = DistributedDP(noise_multiplier=1.0, clip_norm=0.5, min_survivors=2)
-    a = private_sum(zeros(2), dp, config(2), rng=1)
-    b = private_sum(zeros(2), dp, config(2), rng=1)
+    a = private_sum(zeros(2), dp, config(dp), rng=1)
+    b = private_sum(zeros(2), dp, config(dp), rng=1)
     assert not torch.equal(a, b)
 
 
@@ -77,9 +78,9 @@ def test_each_site_is_clipped_before_it_is_noised():
     gen = torch.Generator().manual_seed(0)
     deltas = [{"w": torch.randn(D, generator=gen) * s, "steps": torch.tensor(1)} for s in (1, 3, 9)]
     assert min(update_norm(d) for d in deltas) > 100 * dp.clip_norm
-    noised = private_sum(deltas, dp, config(3), rng=0)
+    noised = private_sum(deltas, dp, config(dp), rng=0)
     clipped = sum(clip_update(d, dp.clip_norm)[0]["w"].double() for d in deltas)
-    q = config(3).quantizer()
+    q = config(dp).quantizer()
     error = noised - clipped
     assert float(error.std()) == pytest.approx(dp.sum_noise_std(q, D, 3), rel=0.03)
     assert float(clipped.norm()) <= 3 * dp.clip_norm + 1e-6
@@ -88,7 +89,7 @@ def test_each_site_is_clipped_before_it_is_noised():
 def test_fewer_survivors_than_the_minimum_are_never_unmasked():
     dp = DistributedDP(noise_multiplier=1.0, clip_norm=0.5, min_survivors=4)
     with pytest.raises(SecAggError, match="fewer than the 4 sites whose noise"):
-        private_sum(zeros(5), dp, config(4), dropouts={2: {1, 2}}, rng=0)
+        private_sum(zeros(5), dp, config(dp), dropouts={2: {1, 2}}, rng=0)
 
 
 @pytest.mark.parametrize("rate", [1.0, 0.25])
@@ -114,8 +115,8 @@ def test_grid_without_room_for_the_noise_is_refused_with_the_fix():
     """clip_norm = secagg.clip leaves no headroom: the noisy sum could wrap around."""
     dp = DistributedDP(noise_multiplier=1.0, clip_norm=4.0, min_survivors=2)
     with pytest.raises(ConfigError, match=r"Raise secagg.clip to at least 24\.2"):
-        dp.check(config(2, clip=4.0).quantizer(), D)
-    dp.check(config(2, clip=24.3).quantizer(), D)  # the suggested value is enough
+        dp.check(config(dp, clip=4.0).quantizer(), D)
+    dp.check(config(dp, clip=24.3).quantizer(), D)  # the suggested value is enough
 
 
 def test_secagg_privacy_table():
@@ -144,7 +145,7 @@ def test_secagg_privacy_table():
 
 def test_noise_wraps_modulo_2_32_like_the_masks():
     dp = DistributedDP(noise_multiplier=1.0, clip_norm=0.5, min_survivors=2)
-    q = config(2).quantizer()
+    q = config(dp).quantizer()
     encoded = np.zeros(1001, dtype=np.uint32)
     encoded[-1] = 1
     dp.add_noise(encoded, q)
@@ -164,3 +165,8 @@ def test_a_restarted_server_replays_the_rounds_into_its_accountant():
     assert after.epsilon == before.epsilon and after.rounds == 3
     with pytest.raises(ConfigError, match="fresh accountant"):
         after.replay([1.0])
+
+
+def test_a_driver_cannot_forget_the_noise_the_config_asks_for():
+    with pytest.raises(SecAggError, match="no noise was given"):
+        secure_weighted_sum(zeros(2), [1.0, 1.0], SPECS, config(DistributedDP(1.0, 0.5, 2)))
