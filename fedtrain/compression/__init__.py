@@ -20,10 +20,12 @@ refuses the combination at configuration time.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from fedtrain.errors import ConfigError, UpdateRejected
-from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
+from fedtrain.tensors import ModelState, TensorSpec, dtype_name, torch_dtype
 
 SEP = "::"
 
@@ -35,6 +37,20 @@ class Codec:
 
     def encode(self, delta: ModelState) -> ModelState:
         return delta
+
+    def encoded_specs(self, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        """What `encode` makes of an update shaped like `specs`: the tensors a server
+        accepts on the wire before it decodes them (a pure function of the specs)."""
+        return specs
+
+    def site_state(self) -> dict[str, torch.Tensor]:
+        """What the codec keeps at the site between rounds (top-k's residual); {} if nothing."""
+        return {}
+
+    def load_site_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Continue from an earlier `site_state()` (a simulation swaps clients in and out)."""
+        if state:
+            raise ValueError(f"codec {self.name!r} keeps no state, got {sorted(state)}")
 
     def decode(self, encoded: ModelState, specs: tuple[TensorSpec, ...]) -> ModelState:
         """Dense tensors shaped and typed like `specs`; refuses anything else."""
@@ -78,6 +94,20 @@ class PartsCodec(Codec):
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def encoded_specs(self, specs: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        out: list[TensorSpec] = []
+        for spec in specs:
+            if not torch_dtype(spec.dtype).is_floating_point or spec.numel == 0:
+                out.append(spec)
+                continue
+            for part, (dtype, shape) in self.part_specs(spec).items():
+                out.append(TensorSpec(f"{spec.name}{SEP}{part}", dtype_name(dtype), shape))
+        return tuple(out)
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """part -> (dtype, shape) of what `encode_tensor` returns for a tensor of `spec`."""
+        raise NotImplementedError
+
 
 class CastCodec(PartsCodec):
     """Floating tensors travel in a narrower float dtype."""
@@ -88,6 +118,9 @@ class CastCodec(PartsCodec):
 
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         return {self.name: tensor.to(self.dtype)}
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {self.name: (self.dtype, spec.shape)}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         t = _part(encoded, spec, self.name)
@@ -116,6 +149,14 @@ class Int8Codec(PartsCodec):
         q = ((blocks - lo[:, None]) / scale[:, None]).round().clamp(0, 255).to(torch.uint8)
         return {"q": q.reshape(-1)[: flat.numel()].contiguous(), "lo": lo, "scale": scale}
 
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        blocks = -(-spec.numel // self.block)
+        return {
+            "q": (torch.uint8, (spec.numel,)),
+            "lo": (torch.float32, (blocks,)),
+            "scale": (torch.float32, (blocks,)),
+        }
+
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         q, lo, scale = (_part(encoded, spec, p) for p in ("q", "lo", "scale"))
         blocks = -(-spec.numel // self.block)
@@ -141,11 +182,17 @@ class TopKCodec(PartsCodec):
         self.error_feedback = error_feedback
         self.residual: dict[str, torch.Tensor] = {}  # kept at the site, never sent
 
+    def site_state(self) -> dict[str, torch.Tensor]:
+        return dict(self.residual)
+
+    def load_site_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.residual = dict(state)
+
     def encode_tensor(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         flat = tensor.reshape(-1).to(torch.float32)
         if self.error_feedback and name in self.residual:
             flat = flat + self.residual[name]
-        k = max(1, int(self.fraction * flat.numel()))
+        k = self.kept(flat.numel())
         idx = flat.abs().topk(k, sorted=False).indices.sort().values
         values = flat[idx]
         if self.error_feedback:
@@ -153,6 +200,14 @@ class TopKCodec(PartsCodec):
             rest[idx] = 0.0
             self.residual[name] = rest
         return {"idx": idx.to(torch.int32), "val": values.to(tensor.dtype)}
+
+    def kept(self, numel: int) -> int:
+        """Entries sent of a tensor of `numel` (at least one)."""
+        return max(1, int(self.fraction * numel))
+
+    def part_specs(self, spec: TensorSpec) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        k = self.kept(spec.numel)
+        return {"idx": (torch.int32, (k,)), "val": (torch_dtype(spec.dtype), (k,))}
 
     def decode_tensor(self, encoded: ModelState, spec: TensorSpec) -> torch.Tensor:
         idx, val = _part(encoded, spec, "idx"), _part(encoded, spec, "val")

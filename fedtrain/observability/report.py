@@ -44,10 +44,13 @@ def _pyplot():
 def _round_figure(out: Path, title: str, height: float = 3.5) -> Iterator[Any]:
     """An axes with rounds on x; titled, laid out, saved to `out` and closed on exit."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, height), dpi=110)
     try:
         yield ax
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
         fig.tight_layout()
         fig.savefig(out)
@@ -73,13 +76,31 @@ def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
     return out
 
 
+#: (upload, download) keys of a metrics record: the simulation's, then the server's
+#: (whose `bytes_in` are the sites' uploads).
+_DIRECTIONS = (("bytes_up", "bytes_down"), ("bytes_in", "bytes_out"))
+
+
 def plot_bytes(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Bytes per round, split into uploads and downloads where the run recorded both,
+    so that a codec's smaller uploads show next to the unchanged downloads."""
     rounds, values = _series(metrics, "bytes")
     if not values:
         return None
-    with _round_figure(out, "Bytes per round (model downloads + update uploads)") as ax:
-        ax.bar(rounds, [v / 2**20 for v in values], color="tab:green")
-        ax.set_ylabel("MiB on the wire")
+    with _round_figure(out, "Bytes on the wire per round") as ax:
+        for up_key, down_key in _DIRECTIONS:
+            up, down = _series(metrics, up_key), _series(metrics, down_key)
+            if up[0] == rounds and down[0] == rounds:
+                mib_up = [v / 2**20 for v in up[1]]
+                mib_down = [v / 2**20 for v in down[1]]
+                ax.bar(rounds, mib_up, color="tab:purple", label="updates up")
+                ax.bar(rounds, mib_down, bottom=mib_up, color="tab:green", label="model down")
+                ax.set_ylim(0, 1.2 * max(u + d for u, d in zip(mib_up, mib_down, strict=True)))
+                ax.legend(loc="upper right", ncol=2, fontsize="small")
+                break
+        else:
+            ax.bar(rounds, [v / 2**20 for v in values], color="tab:green")
+        ax.set_ylabel("MiB")
         ax.grid(axis="y", alpha=0.3)
     return out
 
@@ -179,7 +200,7 @@ def _html(
         facts["privacy"] = f"epsilon {last['epsilon']:.3f} at delta {last.get('delta', '?')}"
     columns = [
         k
-        for k in ("round", "accuracy", "loss", "clients", "bytes", "seconds", "epsilon")
+        for k in ("round", "accuracy", "loss", "clients", "bytes", "bytes_up", "seconds", "epsilon")
         if any(k in m for m in metrics)
     ]
     esc = html.escape

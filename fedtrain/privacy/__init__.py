@@ -1,7 +1,9 @@
 """Differential privacy: clipping, CSPRNG noise (continuous and discrete), accounting.
 
 Central DP lives in the `dpfedavg` strategy (the server clips and adds Gaussian
-noise); the discrete sampler is for sites that add noise under secure aggregation.
+noise). Distributed DP (`fedtrain.privacy.distributed`, imported on its own since it
+builds on secure aggregation) has each site clip its update and add discrete Gaussian
+noise to it before masking, calibrated so that the unmasked sum is private.
 """
 
 from fedtrain.privacy.accounting import PrivacyAccountant

@@ -35,6 +35,8 @@ class PrivacyAccountant:
         self.noise_multiplier = noise_multiplier
         self.delta = delta
         self.rounds = 0
+        #: One per composed round: what a checkpoint stores to `replay` after a restart.
+        self.sampling_rates: list[float] = []
 
     def step(self, sampling_rate: float) -> float:
         """Compose one round; returns epsilon so far (for `delta`)."""
@@ -45,7 +47,15 @@ class PrivacyAccountant:
         )
         self._accountant.compose(event)
         self.rounds += 1
+        self.sampling_rates.append(sampling_rate)
         return self.epsilon
+
+    def replay(self, sampling_rates: list[float]) -> None:
+        """Compose the rounds of a checkpointed run, so that epsilon continues from there."""
+        if self.rounds:
+            raise ConfigError("replay a run's rounds into a fresh accountant only")
+        for rate in sampling_rates:
+            self.step(float(rate))
 
     @property
     def epsilon(self) -> float:

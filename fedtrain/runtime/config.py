@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
@@ -144,6 +145,11 @@ class ServerConfig:
     secagg: SecAggServerSettings = section(
         SecAggServerSettings, "Secure aggregation (`secagg = true` or a [secagg] table)."
     )
+    compression: CompressionSettings = section(
+        CompressionSettings,
+        'Update codec the sites encode with (`compression = "int8"` or a table); told to '
+        "each site when it joins, decoded here before folding. Not with secure aggregation.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
@@ -169,6 +175,7 @@ class ServerConfig:
                     f"client.{key} = {value!r}: round config values must be booleans, "
                     "numbers or strings"
                 )
+        self.compression.check_secagg(self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
@@ -153,12 +154,54 @@ class Coordinator:
                 if self.layout.excluded
                 else "",
             )
+        self.dp_accountant = self._distributed_dp(resume)
+        self._sampling_rate = 1.0
         registry.on_leave(self._on_leave)
         #: The attempt in progress, or FedBuff's buffer for the whole run (which also
         #: takes uploads between versions).
         self.current: RoundState | BufferedRounds | None = None
         if strategy.asynchronous:
             self.current = BufferedRounds(self)
+
+    def _distributed_dp(self, resume: bool) -> PrivacyAccountant | None:
+        """Distributed DP's accountant (None when off), checked against the real model.
+
+        The sites add the noise (they get its parameters in each round's SetupRequest);
+        the server checks that the quantization range holds it, refuses rounds that
+        could have fewer survivors than the noise is calibrated for, and accounts.
+        """
+        if self.secagg is None or self.layout is None or not self.secagg.privacy.enabled:
+            return None
+        dp = self.secagg.privacy.build()
+        quantizer = self.secagg.protocol().quantizer()
+        dp.check(quantizer, self.layout.length)
+        inflation = dp.sensitivity(quantizer, self.layout.length) * quantizer.step / dp.clip_norm
+        if inflation > 1.05:
+            log.warning(
+                "distributed DP: stochastic rounding on a grid of step %.3g adds %.0f%% to "
+                "the sensitivity, and so to the noise; a finer grid removes it (weights are "
+                "1 under DP: set secagg.max_weight = 1, or lower secagg.clip)",
+                quantizer.step,
+                100 * (inflation - 1),
+            )
+        if dp.min_survivors > self.strategy.min_fit_clients:
+            raise ConfigError(
+                f"secagg.privacy.min_survivors = {dp.min_survivors} exceeds "
+                f"strategy.min_fit_clients = {self.strategy.min_fit_clients}: rounds the "
+                "strategy accepts could never be unmasked; lower it or raise min_fit_clients"
+            )
+        accountant = dp.accountant()
+        if resume:
+            accountant.replay(self._checkpoint_extra.get("dp_sampling_rates", []))
+        log.info(
+            "distributed DP on: sites clip to %g and add discrete Gaussian noise for noise "
+            "multiplier %g over >= %d survivors; epsilon reported at delta %g",
+            dp.clip_norm,
+            dp.noise_multiplier,
+            dp.min_survivors,
+            dp.delta,
+        )
+        return accountant
 
     # -- resume ---------------------------------------------------------------------------
     def _load_checkpoint(self) -> tuple[GlobalModel, str]:
@@ -178,6 +221,7 @@ class Coordinator:
             )
         self.strategy.load_state_dict(strategy_state)
         self.rng.bit_generator.state = extra["rng"]
+        self._checkpoint_extra = extra
         log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
         if dropped := self.run_dir.drop_metrics_after(done):
             log.info("round(s) after %d were not checkpointed and run again (%d)", done, dropped)
@@ -252,6 +296,7 @@ class Coordinator:
             if not plan:
                 self.registry.wait_for_change()
                 continue
+            self._sampling_rate = len(plan) / len(available)
             attempt += 1
             started = time.perf_counter()
             state = self._start_attempt(server_round, attempt, plan)
@@ -337,6 +382,10 @@ class Coordinator:
         old = self.global_model
         self.checkpoints.wait()  # the previous round's write still reads the strategy's state
         new_state = self.strategy.finalize_round(server_round, old.state, state.aggregate)
+        privacy = self.strategy.round_metrics()
+        if self.dp_accountant is not None:
+            privacy["epsilon"] = self.dp_accountant.step(self._sampling_rate)
+            privacy["delta"] = self.dp_accountant.delta
         self.current = None  # releases the accumulator once in-flight handlers let go
         model = self.publish(server_round, new_state)
         self.checkpoint(model)
@@ -349,7 +398,7 @@ class Coordinator:
             "failed": summary.failed,
             **self.transfer_metrics(),
             **self.strategy.aggregate_metrics(summary.results),
-            **self.strategy.round_metrics(),  # e.g. DP's epsilon, as in a simulation
+            **privacy,  # e.g. DP's epsilon, as in a simulation
         }
         if summary.dropped or summary.failed:
             log.warning(
@@ -388,6 +437,11 @@ class Coordinator:
                 "run_id": self.run_id,
                 "fingerprint": self.fingerprint,
                 "model_version": model.version,
+                **(
+                    {"dp_sampling_rates": list(self.dp_accountant.sampling_rates)}
+                    if self.dp_accountant is not None
+                    else {}
+                ),
             },
         )
 

@@ -130,7 +130,7 @@ class RoundState:
         Aggregators that need whole updates get it at `commit` instead. Refused once the
         attempt closed (`close` took the site's folded chunks back out).
         """
-        if not self.aggregate.additive:
+        if not (self.aggregate.additive and spool.foldable):
             return
         with self._cond:
             if self.closed or site not in self.uploading:

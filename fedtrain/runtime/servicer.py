@@ -10,6 +10,7 @@ an audit record and a log line, and never an exception that escapes a handler.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator
+from fedtrain.runtime.encoded_upload import DecodingSpool
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
@@ -54,6 +56,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.secure = secure
         self.spool_dir = spool_dir
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
+        self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         # Each site holds a worker thread for its control stream; keep room for transfers.
         self.max_sites = max(1, config.max_workers // 2 - 1)
 
@@ -87,16 +90,17 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.audit.record(
             "join", site=site, peer=context.peer(), fingerprint=first.join.task_fingerprint
         )
-        yield pb.ServerMessage(
-            welcome=pb.Welcome(
-                run_id=self.coordinator.run_id,
-                session_token=session.token,
-                site_name=site,
-                heartbeat_interval_s=self.config.heartbeat.interval_s,
-                chunk_bytes=self.config.chunk_bytes,
-                secagg=self.config.secagg.enabled,
-            )
+        welcome = pb.Welcome(
+            run_id=self.coordinator.run_id,
+            session_token=session.token,
+            site_name=site,
+            heartbeat_interval_s=self.config.heartbeat.interval_s,
+            chunk_bytes=self.config.chunk_bytes,
+            secagg=self.config.secagg.enabled,
         )
+        if self.codec.name != "none":  # sites encode their updates with it
+            wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
+        yield pb.ServerMessage(welcome=welcome)
         threading.Thread(
             target=self._read, args=(session, request_iterator), name=f"control-{site}", daemon=True
         ).start()
@@ -283,6 +287,13 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                         else "a masked update, but this round does not run secure aggregation"
                     ),
                 )
+            if not header.masked and (header.codec or "none") != self.codec.name:
+                raise UploadRefused(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: update encoded with codec {header.codec or 'none'!r}, but this "
+                    f"server decodes compression.codec = {self.codec.name!r} (sites learn it "
+                    "when they join: a site that joined another server must reconnect)",
+                )
             if not header.masked and header.num_examples < 1:
                 raise UploadRefused(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -350,13 +361,20 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         """Validate, journal and fold one upload as it arrives; returns the bytes received.
 
         On any failure the folded chunks are taken back out while the journal still
-        exists (the caller's `abandon` then finds nothing left to undo).
+        exists (the caller's `abandon` then finds nothing left to undo). An encoded
+        upload (`[compression]`) is journaled as its codec's parts and folded decoded
+        once whole.
         """
-        model = self.coordinator.global_model
+        specs = self.coordinator.global_model.state.specs
         weight = float(header.num_examples)
-        with UpdateSpool(
-            model.state.specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
-        ) as spool:
+        spool = (
+            UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
+            if self.codec.name == "none"
+            else DecodingSpool(
+                self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
+            )
+        )
+        with spool:
             try:
                 for chunk in self._chunks(session, header, request_iterator):
                     state.fold(session.site, spool, spool.add(chunk), weight)

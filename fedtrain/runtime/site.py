@@ -29,6 +29,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from fedtrain.compression import Codec
+from fedtrain.compression.settings import CompressionSettings
+from fedtrain.config import from_dict
 from fedtrain.errors import (
     ConfigError,
     FedtrainError,
@@ -96,6 +99,8 @@ class Link:
     chunk_bytes: int
     outbox: queue.SimpleQueue[pb.SiteMessage | None]
     closed: threading.Event = field(default_factory=threading.Event)
+    #: The server's update codec (told in Welcome); `Codec()` sends plain deltas.
+    codec: Codec = field(default_factory=Codec)
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -154,6 +159,8 @@ class SiteDaemon:
         self._job: tuple[Link, pb.Instruction] | None = None
         self._job_ready = threading.Condition()
         self.secagg = SiteSecAgg(config.seed)  # this site's secure-aggregation rounds
+        # the codec the server asked for, kept across reconnects (top-k's residual)
+        self._compression: tuple[CompressionSettings, Codec] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -303,6 +310,7 @@ class SiteDaemon:
                 "server.toml"
             )
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
+        link.codec = self._codec(w)
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
             target=_heartbeat,
@@ -311,6 +319,18 @@ class SiteDaemon:
             daemon=True,
         ).start()
         return link
+
+    def _codec(self, w: pb.Welcome) -> Codec:
+        """The codec the server asks for; the same object as before if nothing changed,
+        so that top-k's error-feedback residual survives a reconnect."""
+        settings = from_dict(
+            CompressionSettings, dict(wire.config_from_proto(w.compression)), "compression"
+        )
+        if self._compression is None or self._compression[0] != settings:
+            self._compression = (settings, settings.build())
+            if settings.enabled:
+                log.info("the server asks for updates encoded with %s", settings.codec)
+        return self._compression[1]
 
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
@@ -363,7 +383,8 @@ class SiteDaemon:
                 )
             else:
                 header = _plain_header(link, instruction, result)
-                chunks = delta_chunks(local, global_state, link.chunk_bytes)
+                chunks = update_chunks(link, local, global_state)
+                header.codec = link.codec.name
             receipt = self._upload(link, header, chunks)
             clock.mark("upload")
             self.rounds_trained += 1
@@ -507,6 +528,13 @@ def delta_chunks(local: ModelState, global_state: ModelState, chunk_bytes: int) 
         delta = compute_delta(ModelState({piece.name: mine}), ModelState({piece.name: values}))
         data = memoryview(delta[piece.name].view(torch.uint8).numpy())
         yield Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
+
+
+def update_chunks(link: Link, local: ModelState, global_state: ModelState) -> Iterator[Chunk]:
+    """The plain update's chunks: the delta as it is, or encoded with the link's codec."""
+    if link.codec.name == "none":
+        return delta_chunks(local, global_state, link.chunk_bytes)
+    return link.codec.encode(compute_delta(local, global_state)).chunks(link.chunk_bytes)
 
 
 class _PhaseClock:

@@ -18,6 +18,10 @@ The update is flattened to float32 (`fedtrain.secagg.updates.UpdateLayout`: inte
 buffers stay home) and multiplied by the example count *inside* the masked vector,
 so the upload header carries neither the weight nor training metrics: the server
 learns both only summed over the sites.
+
+When the round's parameters ask for distributed DP, the site checks them, clips its
+update, takes part with weight 1 and adds its share of discrete Gaussian noise to the
+quantized vector before masking (`fedtrain.privacy.distributed`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Protocol
 import numpy as np
 
 from fedtrain.errors import SecAggError
+from fedtrain.privacy.distributed import SITE_WEIGHT, DistributedDP
 from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.secagg import (
@@ -71,6 +76,7 @@ class _Round:
     instruction: pb.Instruction
     params: RoundParams | None = None
     client: SecAggClient | None = None
+    dp: DistributedDP | None = None
     routed: RoutedShares | None = None
     #: Why this round cannot be masked here any more (None while it can).
     ended: str | None = None
@@ -104,7 +110,9 @@ class SiteSecAgg:
                         raise SecAggError(f"round {server_round}: a second SetupRequest")
                     # Rounding draws are no secret (the result is masked); seeded per attempt.
                     rng = np.random.default_rng([self._seed, msg.params.round_id])
-                    current.client = SecAggClient(msg.site, rng=rng)
+                    current.dp = DistributedDP.from_params(msg.params)
+                    noise = current.dp.add_noise if current.dp is not None else None
+                    current.client = SecAggClient(msg.site, rng=rng, noise=noise)
                     current.params = msg.params
                 elif current.client is None:
                     raise SecAggError(f"round {server_round}: {type(msg).__name__} before setup")
@@ -154,9 +162,12 @@ class SiteSecAgg:
             current = self._await_shares(instruction)
             assert current.client is not None and current.params is not None
             assert current.routed is not None
+            weight = float(result.num_examples)
+            if current.dp is not None:  # clip to the sensitivity; the weight is public
+                vector, weight = current.dp.clip(vector), SITE_WEIGHT
             _warn_clipped(instruction.round, vector, current.params.clip)
             try:
-                current.client.set_input(vector, result.num_examples)
+                current.client.set_input(vector, weight)
                 masked = current.client.handle(current.routed)
             except SecAggError as exc:
                 current.ended = str(exc)

@@ -86,6 +86,9 @@ class UpdateSpool:
     manager: memory is given back and the file deleted on exit whatever happened.
     """
 
+    #: Its pieces are the model's own tensors, so they may be folded as they arrive.
+    foldable = True
+
     def __init__(
         self,
         specs: tuple[TensorSpec, ...],

@@ -46,6 +46,10 @@ class SecAggConfig:
             or the smallest secure one, ``(k + 1) // 2 + 1``. Must exceed ``(k + 1) / 2``.
         dropout_rate, corruption_rate, failure_probability, leak_probability: the
             targets ``choose_degree`` sizes ``k`` and ``t`` for.
+        dp_noise_multiplier, dp_clip_norm, dp_min_survivors: distributed DP, passed to
+            the sites in :class:`RoundParams` (0: off; see ``fedtrain.privacy.distributed``,
+            which validates them); the server refuses to unmask a sum of fewer than
+            ``dp_min_survivors`` sites.
     """
 
     clip: float = 1.0
@@ -59,9 +63,19 @@ class SecAggConfig:
     corruption_rate: float = 0.0
     failure_probability: float = 1e-6
     leak_probability: float = 1e-9
+    dp_noise_multiplier: float = 0.0
+    dp_clip_norm: float = 0.0
+    dp_min_survivors: int = 0
 
     def __post_init__(self) -> None:
         self.quantizer()  # validates the no-wrap budget
+        if min(self.dp_noise_multiplier, self.dp_clip_norm, self.dp_min_survivors) < 0:
+            raise SecAggError("distributed-DP parameters must be >= 0 (0: off)")
+        if self.dp_min_survivors > self.max_clients:
+            raise SecAggError(
+                f"dp_min_survivors = {self.dp_min_survivors} exceeds max_clients = "
+                f"{self.max_clients}: no round could ever be unmasked"
+            )
         if self.t is not None and self.k is None:
             raise SecAggError("secagg config sets t but not k; set both or neither")
         if self.k is not None:
@@ -136,4 +150,7 @@ class SecAggConfig:
             max_clients=q.max_clients,
             max_weight=q.max_weight,
             weight_resolution=q.weight_resolution,
+            dp_noise_multiplier=self.dp_noise_multiplier,
+            dp_clip_norm=self.dp_clip_norm,
+            dp_min_survivors=self.dp_min_survivors,
         )

@@ -15,7 +15,7 @@ from fedtrain.errors import SecAggError
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.crypto import MaskExpander
 from fedtrain.secagg.messages import MaskedInput, Message, decode_message
-from fedtrain.secagg.protocol import SecAggClient, SecAggResult, SecAggServer, Stage
+from fedtrain.secagg.protocol import EncodedNoise, SecAggClient, SecAggResult, SecAggServer, Stage
 
 _M = TypeVar("_M", bound=Message)
 Dropouts = Mapping[int | Stage, Iterable[int]]
@@ -45,6 +45,7 @@ def run_in_memory(
     through_bytes: bool = False,
     chunk_elements: int | None = None,
     broken_uploads: Iterable[int] = (),
+    noise: EncodedNoise | None = None,
 ) -> SecAggResult:
     """Run one round over ``vectors`` (site id -> update; a sequence means ids 1..n).
 
@@ -56,6 +57,7 @@ def run_in_memory(
         through_bytes: send every message through ``to_bytes``/``decode_message``.
         chunk_elements: stream masked vectors to the server in chunks of this size.
         broken_uploads: sites whose masked-vector stream stops halfway (dropouts).
+        noise: every site's privacy noise on its encoded update (distributed DP).
 
     Raises SecAggError when the round cannot complete (e.g. too many dropouts).
     """
@@ -66,6 +68,11 @@ def run_in_memory(
     lengths = {np.asarray(v).size for v in xs.values()}
     if len(lengths) != 1:
         raise SecAggError(f"all vectors must have the same size, got sizes {sorted(lengths)}")
+    if config.dp_noise_multiplier > 0 and noise is None:
+        raise SecAggError(
+            "the config asks for distributed DP (dp_noise_multiplier > 0) but no noise was "
+            "given: pass noise=DistributedDP.add_noise, with clipped updates and weight 1"
+        )
     drop: dict[int, set[int]] = {int(s): set(ids) for s, ids in (dropouts or {}).items()}
     for stage in drop:
         if stage not in range(4):
@@ -78,7 +85,7 @@ def run_in_memory(
     server = SecAggServer.from_config(config, round_id, xs, lengths.pop(), graph_seed)
     clients = {}
     for (site, x), site_rng in zip(sorted(xs.items()), site_rngs, strict=True):
-        client = SecAggClient(site, rng=site_rng, expander=expander)
+        client = SecAggClient(site, rng=site_rng, expander=expander, noise=noise)
         client.set_input(x, ws[site])
         clients[site] = client
 

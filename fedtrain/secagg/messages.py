@@ -132,6 +132,12 @@ class RoundParams:
     max_clients: int
     max_weight: float
     weight_resolution: float
+    #: Distributed DP (`fedtrain.privacy.distributed`), all 0 when off: the noise
+    #: multiplier every site calibrates its noise for, the L2 norm it clips its update
+    #: to, and the fewest survivors the server may unmask a sum of.
+    dp_noise_multiplier: float = 0.0
+    dp_clip_norm: float = 0.0
+    dp_min_survivors: int = 0
 
     def quantizer(self) -> Quantizer:
         return Quantizer(
@@ -154,6 +160,9 @@ class RoundParams:
         w.u32(self.max_clients)
         w.f64(self.max_weight)
         w.f64(self.weight_resolution)
+        w.f64(self.dp_noise_multiplier)
+        w.f64(self.dp_clip_norm)
+        w.u32(self.dp_min_survivors)
 
     @classmethod
     def _read(cls, r: _Reader) -> RoundParams:
@@ -169,6 +178,9 @@ class RoundParams:
             max_clients=r.u32(),
             max_weight=r.f64(),
             weight_resolution=r.f64(),
+            dp_noise_multiplier=r.f64(),
+            dp_clip_norm=r.f64(),
+            dp_min_survivors=r.u32(),
         )
 
 

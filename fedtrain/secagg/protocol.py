@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import logging
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,12 +127,18 @@ class SecAggResult:
         return int(self.total[-1]) * self.quantizer.weight_resolution
 
 
+#: Adds privacy noise in place to a site's encoded update (uint32, weight last) before
+#: it is masked, e.g. `fedtrain.privacy.distributed.DistributedDP.add_noise`.
+EncodedNoise = Callable[[np.ndarray, Quantizer], None]
+
+
 class SecAggClient:
     """One site's side of one round. Create a new one every round (fresh keys).
 
     Call :meth:`set_input` (any time before the masked-input stage) and feed every
     server message to :meth:`handle`, which returns the reply. Any SecAggError puts
-    the client in ``FAILED``: it answers nothing more this round.
+    the client in ``FAILED``: it answers nothing more this round. ``noise``, if given,
+    noises the quantized update before masking (distributed DP).
     """
 
     def __init__(
@@ -140,12 +146,14 @@ class SecAggClient:
         site: int,
         rng: np.random.Generator | None = None,
         expander: crypto.MaskExpander | None = None,
+        noise: EncodedNoise | None = None,
     ) -> None:
         if not (1 <= site <= MAX_SITE_ID):
             raise SecAggError(f"site id must be in [1, 2^32 - 1], got {site}")
         self.site = site
         self._rng = rng if rng is not None else np.random.default_rng()
         self._expander = expander if expander is not None else crypto.MaskExpander()
+        self._noise = noise
         self._stage = Stage.SETUP
         self._params: RoundParams | None = None
         self._quantizer: Quantizer | None = None
@@ -309,6 +317,8 @@ class SecAggClient:
                 f"{params.vector_length}"
             )
         y = self._quantizer.encode(update, self._weight, self._rng)
+        if self._noise is not None:
+            self._noise(y, self._quantizer)
         masks = [(self._seed, 1)]
         for v in senders:
             shared = self._mask.exchange(self._neighbour_keys[v].mask_key)
@@ -643,6 +653,11 @@ class SecAggServer:
         if len(u3) < p.t:
             raise self._fail(
                 f"only {len(u3)} masked inputs arrived, fewer than t={p.t}; too many dropouts"
+            )
+        if len(u3) < p.dp_min_survivors:
+            raise self._fail(
+                f"only {len(u3)} masked inputs arrived, fewer than the {p.dp_min_survivors} "
+                "sites whose noise distributed DP needs in the sum; not unmasking it"
             )
         short = [
             f"site {u} ({len(self._holders(u) & u3)} holders left)"

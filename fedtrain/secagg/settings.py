@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fedtrain.config import option
+from fedtrain.config import option, section
 from fedtrain.errors import ConfigError, SecAggError
+from fedtrain.privacy.distributed import DistributedDPSettings
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.strategy import STRATEGIES
 
@@ -70,15 +71,29 @@ class SecAggSettings:
     leak_probability: float = option(
         1e-9, "Target probability that colluders can unmask a site (sizing k and t)."
     )
+    privacy: DistributedDPSettings = section(
+        DistributedDPSettings,
+        "Distributed DP: each site clips its update and adds discrete Gaussian noise "
+        "before masking, so the unmasked sum is differentially private.",
+    )
 
     def __post_init__(self) -> None:
         for key in ("bits", "k", "t"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"secagg.{key} must be >= 0 (0: automatic)")
         try:
-            self.protocol()
+            protocol = self.protocol()
         except SecAggError as exc:
             raise ConfigError(f"secagg: {exc}") from None
+        if self.privacy.enabled:
+            if not self.enabled:
+                raise ConfigError(
+                    "secagg.privacy.noise_multiplier is set but secure aggregation is off: "
+                    "distributed DP needs it (secagg.enabled = true); for DP without secure "
+                    'aggregation use the central `strategy.name = "dpfedavg"`'
+                )
+            # the model's size is known only at run time: checked again then
+            self.privacy.build().check(protocol.quantizer(), length=1)
 
     @classmethod
     def from_scalar(cls, value: Any, key: str) -> dict[str, Any]:
@@ -101,6 +116,7 @@ class SecAggSettings:
             corruption_rate=self.corruption_rate,
             failure_probability=self.failure_probability,
             leak_probability=self.leak_probability,
+            **(self.privacy.build().protocol_fields() if self.privacy.enabled else {}),
         )
 
     def check_rounds(self, strategy: str, min_fit_clients: int, who: str = "sites") -> None:

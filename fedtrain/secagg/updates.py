@@ -35,7 +35,7 @@ import torch
 from fedtrain.errors import SecAggError
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.inmemory import Dropouts, run_in_memory
-from fedtrain.secagg.protocol import SecAggResult
+from fedtrain.secagg.protocol import EncodedNoise, SecAggResult
 from fedtrain.strategy.aggregate import WeightedSum, accumulator_dtype
 from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
 
@@ -154,6 +154,7 @@ def secure_round(
     round_id: int = 0,
     rng: np.random.Generator | int | None = None,
     graph_seed: bytes | None = None,
+    noise: EncodedNoise | None = None,
 ) -> tuple[WeightedSum, SecAggResult]:
     """One SecAgg+ round in memory over ``deltas``: the simulation's entry point.
 
@@ -164,6 +165,7 @@ def secure_round(
     deployment's server would hand the strategy, the weighted sum over the sites that
     were included, and the protocol's result (who was included, who dropped). Every
     delta is held as a float32 vector for the round, so memory is O(sites x model).
+    ``noise`` is each site's distributed-DP noise (`fedtrain.privacy.distributed`).
     """
     if len(deltas) != len(weights):
         raise SecAggError(f"{len(deltas)} deltas but {len(weights)} weights")
@@ -177,6 +179,7 @@ def secure_round(
         round_id=round_id,
         rng=rng,
         graph_seed=graph_seed,
+        noise=noise,
     )
     return layout.weighted_sum(result), result
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
@@ -165,6 +166,11 @@ class SimConfig:
         "Secure aggregation (`secagg = true` or a [secagg] table): the deployment's SecAgg+ "
         "protocol run in memory each round.",
     )
+    compression: CompressionSettings = section(
+        CompressionSettings,
+        'Update codec (`compression = "int8"` or a [compression] table): each client '
+        "encodes its update, the server decodes it before folding.",
+    )
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
@@ -185,5 +191,6 @@ class SimConfig:
                 f"gpus_per_client = {self.gpus_per_client} should be in (0, 1]: a virtual "
                 "client trains in one process on one GPU (a fraction packs several on one)"
             )
+        self.compression.check_secagg(self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")

@@ -202,7 +202,9 @@ def train_round(
             len(fold.rejected),
             needed,
         )
-    uploads = reported + len(fold.rejected)
+    # what would cross the wire: a download per chosen client, an upload (encoded, with
+    # a codec) per update that arrived
+    bytes_down = global_state.nbytes * len(plan.selected)
     record: dict[str, Any] = {
         "round": plan.server_round,
         "clients": len(plan.selected),
@@ -210,8 +212,9 @@ def train_round(
         "dropped": len(plan.dropped),
         "rejected": len(fold.rejected),
         "aggregated": aggregated,
-        # what would cross the wire: a download per chosen client, an upload per report
-        "bytes": global_state.nbytes * (len(plan.selected) + uploads),
+        "bytes": bytes_down + fold.upload_bytes,
+        "bytes_down": bytes_down,
+        "bytes_up": fold.upload_bytes,
         "train_seconds": train_seconds,
         "clients_per_s": training / train_seconds if train_seconds > 0 else None,
         **strategy.aggregate_metrics(fold.train_metrics()),

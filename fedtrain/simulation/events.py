@@ -29,7 +29,8 @@ class ClientResult:
 
     `delta` is the update when the driver folds updates itself; it is None when the
     worker already folded it into its partial sum, or when the update was rejected
-    (`rejected` says why: NaN/Inf, wrong shape, non-positive weight).
+    (`rejected` says why: NaN/Inf, wrong shape, non-positive weight). `upload_bytes`
+    is what its upload took on the wire (encoded, when a codec is configured).
     """
 
     client_id: str
@@ -37,6 +38,7 @@ class ClientResult:
     metrics: dict[str, float] = field(default_factory=dict)
     delta: ModelState | None = None
     rejected: str | None = None
+    upload_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ shares is a short wait.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from fedtrain.errors import UpdateRejected
@@ -28,6 +29,7 @@ class RoundFold:
         self.plan = plan
         self.results: dict[str, ClientResult] = {}
         self.rejected: dict[str, str] = {}
+        self.upload_bytes = 0  # of every update that arrived, folded or rejected
         self._done = [0] * len(plan.shares)
         self._workers_left = {w for w, share in enumerate(plan.shares) if share}
         # worker-side folding: partials wait here until all lower workers merged
@@ -77,18 +79,15 @@ class RoundFold:
                     self.aggregate.add(result.delta, float(result.num_examples))
                 except UpdateRejected as exc:
                     log.warning("update of %s rejected: %s", result.client_id, exc)
-                    result = ClientResult(
-                        result.client_id, result.num_examples, result.metrics, None, str(exc)
-                    )
+                    result = dataclasses.replace(result, rejected=str(exc))
             self._record(result)
 
     def _record(self, result: ClientResult) -> None:
+        self.upload_bytes += result.upload_bytes
         if result.rejected is not None:
             self.rejected[result.client_id] = result.rejected
         else:
-            self.results[result.client_id] = ClientResult(
-                result.client_id, result.num_examples, result.metrics
-            )
+            self.results[result.client_id] = dataclasses.replace(result, delta=None)
 
     def train_metrics(self) -> list[tuple[int, dict[str, float]]]:
         """(examples, metrics) of the clients whose updates count, in client order."""

@@ -9,6 +9,7 @@ path in one place is what makes the backends agree bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -71,6 +72,8 @@ class ClientRunner:
         self.train_data, self.population = data
         self.model = model_for(self.task, self.seed).to(self.device)
         self.states = ClientStateStore()
+        self.codec = setup.config.compression.build()
+        self.codec_states = ClientStateStore()  # e.g. top-k residuals, apart from the task's
         self.current_client: str | None = None  # for error reports
         warm_up_torch()
 
@@ -120,7 +123,26 @@ class ClientRunner:
         result = self.task.train(self.model, data, config, context)
         self.states.put(client_id, state)
         delta = compute_delta(ModelState.from_module(self.model), global_state)
-        return ClientResult(client_id, result.num_examples, dict(result.metrics), delta)
+        delta, upload_bytes = self.over_the_wire(client_id, delta)
+        return ClientResult(
+            client_id, result.num_examples, dict(result.metrics), delta, upload_bytes=upload_bytes
+        )
+
+    def over_the_wire(self, client_id: str, delta: ModelState) -> tuple[ModelState, int]:
+        """(the update as the server decodes it, the bytes its upload takes).
+
+        The client encodes with the configured codec (its error-feedback residual is
+        kept per client here, as a site keeps its own) and the server's decode runs
+        right away, in this worker: the codec models the wire, so what is folded (here
+        or in the driver) is exactly what a server would fold after decoding, while
+        partial sums keep their O(model) memory per worker.
+        """
+        if self.codec.name == "none":
+            return delta, delta.nbytes
+        self.codec.load_site_state(self.codec_states.get(client_id))
+        encoded = self.codec.encode(delta)
+        self.codec_states.put(client_id, self.codec.site_state())
+        return self.codec.decode(encoded, self.specs), encoded.nbytes
 
 
 def fold_into(partial: WeightedSum, result: ClientResult) -> ClientResult:
@@ -134,8 +156,8 @@ def fold_into(partial: WeightedSum, result: ClientResult) -> ClientResult:
         partial.add(result.delta, float(result.num_examples))
     except UpdateRejected as exc:
         log.warning("update of %s rejected: %s", result.client_id, exc)
-        return ClientResult(result.client_id, result.num_examples, result.metrics, None, str(exc))
-    return ClientResult(result.client_id, result.num_examples, result.metrics)
+        return dataclasses.replace(result, delta=None, rejected=str(exc))
+    return dataclasses.replace(result, delta=None)
 
 
 def warm_up_torch() -> None:

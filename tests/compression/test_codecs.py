@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from fedtrain.compression import SEP, build_codec, check_secagg
+from fedtrain.compression.fold import DecodingFold
 from fedtrain.errors import ConfigError, UpdateRejected
-from fedtrain.tensors import Chunk, ModelState, assemble
+from fedtrain.strategy import WeightedSum
+from fedtrain.tensors import Chunk, ModelState, assemble, torch_dtype
 
 
 def delta(seed: int = 0, n: int = 10_000) -> ModelState:
@@ -99,3 +101,32 @@ def test_config_errors_and_secagg_refusal():
         check_secagg(build_codec("int8"), secagg=True)
     check_secagg(build_codec("none"), secagg=True)
     check_secagg(build_codec("topk"), secagg=False)
+
+
+CODECS = [("none", {}), ("fp16", {}), ("bf16", {}), ("int8", {"block": 999}), ("topk", {})]
+
+
+@pytest.mark.parametrize(("name", "options"), CODECS)
+def test_encoded_specs_are_what_encode_makes(name, options):
+    """The server checks uploads against `encoded_specs` before it ever sees one."""
+    d = ModelState({**dict(delta().items()), "empty": torch.zeros(0), "h": torch.randn(3, 4)})
+    codec = build_codec(name, **options)
+    assert codec.encoded_specs(d.specs) == codec.encode(d).specs
+
+
+@pytest.mark.parametrize(("name", "options"), CODECS)
+def test_decoding_fold_adds_the_decoded_update_whatever_the_chunk_order(name, options):
+    d = delta(seed=4)
+    codec = build_codec(name, **options)
+    encoded = build_codec(name, **options).encode(d)  # a twin: top-k's residual is separate
+    target = WeightedSum(d.specs)
+    fold = DecodingFold(codec, d.specs, target)
+    chunks = list(encoded.chunks(777))
+    for c in reversed(chunks):  # parts and pieces may come in any order
+        values = torch.frombuffer(bytearray(c.data), dtype=torch_dtype(c.dtype))
+        fold.add_chunk(c.name, c.offset // values.element_size(), values, 3.0)
+    fold.commit(3.0)
+    assert (target.count, target.total_weight, fold.count) == (1, 3.0, 1)
+    want = codec.decode(encoded, d.specs)
+    for n, total in target.sums.items():
+        torch.testing.assert_close(total, 3.0 * want[n].reshape(-1).to(total.dtype))

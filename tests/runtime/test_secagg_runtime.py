@@ -25,6 +25,7 @@ from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wa
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
+from fedtrain.privacy.distributed import DistributedDP
 from fedtrain.runtime import wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig, SiteConfig
@@ -171,6 +172,39 @@ def test_server_folds_only_masked_vectors_and_unmasks_the_weighted_mean(
         assert torch.allclose(tensor, expected_model[name], atol=bound + 1e-6), name
     uploads = [r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == "upload"]
     assert all(r["masked"] and r["num_examples"] == 0 for r in uploads)  # weights stay masked
+
+
+def test_distributed_dp_sites_clip_weigh_one_and_noise_and_the_server_accounts(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    task = TinyTask(features=100)
+    privacy = {"noise_multiplier": 0.5, "clip_norm": 0.05, "min_survivors": 3}
+    server = _server(tmp_path, task, sites=3, rounds=2, secagg={**SECAGG, "privacy": privacy})
+    owned.append(server)
+    for i, name in enumerate(("a", "b", "c")):
+        owned.append(_daemon(server, task, name, i, require_secagg=True))
+    assert server.wait(90), "the private rounds did not finish"
+    assert server.coordinator.error is None
+
+    # Every site clipped its update to clip_norm and took part with weight 1.
+    inputs = spy["inputs"]  # the last round's, by secagg id
+    assert sorted(inputs) == [1, 2, 3]
+    for x, weight in inputs.values():
+        assert weight == 1.0 and np.linalg.norm(x) <= 0.05 * (1 + 1e-6)
+    # The unmasked sum is the sum of the clipped updates plus the calibrated noise.
+    result = spy["results"][-1]
+    assert result.total_weight == 3.0
+    values, _ = result.weighted_sum()
+    noise = values - sum(x for x, _ in inputs.values())
+    dp = DistributedDP(0.5, 0.05, 3)
+    want = dp.sum_noise_std(result.quantizer, 202, 3)
+    assert want == pytest.approx(0.5 * (0.05 + result.quantizer.step * np.sqrt(202)))
+    assert 0.75 < noise.std() / want < 1.25  # 202 draws: ~5% standard error
+    # Epsilon per round, for the Gaussian mechanism with z = 0.5 at every site's rate 1.
+    reference = dp.accountant()
+    epsilons = [m["epsilon"] for m in server.run_dir.read_metrics()]
+    assert epsilons == [reference.step(1.0), reference.step(1.0)]
+    assert server.coordinator.last_metrics["delta"] == 1e-5
 
 
 def _answer(site: FakeSite, client: SecAggClient | None = None) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -35,6 +37,12 @@ PARAMS = RoundParams(
 
 MESSAGES = [
     SetupRequest(7, PARAMS),
+    SetupRequest(
+        7,
+        dataclasses.replace(
+            PARAMS, dp_noise_multiplier=1.1, dp_clip_norm=0.75, dp_min_survivors=2**32 - 2
+        ),
+    ),
     AdvertiseKeys(5, 7, b"e" * 32, b"m" * 32),
     KeysBroadcast(5, 7, (1, 2, 7), (AdvertiseKeys(5, 1, b"a" * 32, b"b" * 32),)),
     KeysBroadcast(5, 7, (7,), ()),
