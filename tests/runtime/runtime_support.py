@@ -183,7 +183,7 @@ class FakeSite:
             pass
         self.inbox.put(None)
 
-    def expect(self, kind: str, timeout: float = 10.0) -> pb.ServerMessage:
+    def expect(self, kind: str, timeout: float = 30.0) -> pb.ServerMessage:
         message = self.inbox.get(timeout=timeout)
         assert message is not None, f"{self.name}: control stream ended while expecting {kind}"
         assert message.WhichOneof("kind") == kind, f"{self.name}: expected {kind}, got {message}"
