@@ -419,6 +419,10 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
                     client=CLIENT,
                     strategy={"min_fit_clients": 3, "min_available_clients": 3},
                     secagg=SECAGG if secure else {"enabled": False},
+                    # Six sites and two servers share the cores: no site may miss the
+                    # masked-input deadline or a heartbeat just because the machine is busy.
+                    round_timeout_s=120.0,
+                    heartbeat={"interval_s": 0.5, "timeout_s": 30.0},
                 )
             )
             dep.start_server()
