@@ -127,7 +127,8 @@ class RoundState:
     def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
         """Fold one validated, journaled chunk into a streaming sum at once.
 
-        Aggregators that need whole updates get it at `commit` instead. Refused once the
+        Aggregators that need whole updates, and encoded uploads (their pieces are codec
+        parts, decoded once whole), get the update at `commit` instead. Refused once the
         attempt closed (`close` took the site's folded chunks back out).
         """
         if not (self.aggregate.additive and spool.foldable):
