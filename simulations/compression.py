@@ -1,6 +1,6 @@
 """Update codecs on digits under pathological non-IID data: upload bytes vs accuracy.
 
-    python simulations/compression.py [--rounds 30] [--keep runs/compression]
+    python simulations/compression.py [--rounds 30] [--keep runs/compression] [--only topk-0.1]
 
 The rounds-to-90% setup (`strategies.base_config`: FedAvg, 20 clients, 2 labels each,
 every client trains every round, 2 local epochs) for a fixed number of rounds, once
@@ -11,7 +11,7 @@ wire. Top-k keeps its error-feedback residual per client across rounds.
 
 from __future__ import annotations
 
-from sweep import arguments, print_header, run, table_config
+from sweep import TAIL, arguments, print_header, run, table_config, tail_accuracy
 
 CODECS: list[tuple[str, dict]] = [
     ("none", {}),
@@ -31,6 +31,7 @@ def main() -> None:
         "vs float32",
         "uploads per round",
         f"accuracy after {args.rounds} rounds",
+        f"mean accuracy, last {TAIL} rounds",
         "wall time",
     )
     dense = None
@@ -38,6 +39,8 @@ def main() -> None:
         raw = table_config(args.rounds)
         raw["compression"] = {"codec": codec, **options}
         name = codec + "".join(f"-{v:g}" for v in options.values())
+        if args.only and name not in args.only:
+            continue
         result, seconds = run(raw, name, args.keep)
         last = result.history[-1]
         per_client = last["bytes_up"] / last["reported"]
@@ -46,7 +49,7 @@ def main() -> None:
         print(
             f"| {label} | {per_client / 1024:.1f} KiB | {per_client / dense:.3f} "
             f"| {last['bytes_up'] / 2**20:.2f} MiB | {result.final_accuracy:.4f} "
-            f"| {seconds:.0f} s |",
+            f"| {tail_accuracy(result):.4f} | {seconds:.0f} s |",
             flush=True,
         )
 
