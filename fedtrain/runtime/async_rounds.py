@@ -136,8 +136,7 @@ class BufferedRounds:
         coordinator = self.coordinator
         old = coordinator.global_model
         version = filling.buffer.version + 1
-        coordinator.checkpoints.wait()  # the last version's write still reads the strategy
-        new_state = self.strategy.finalize_round(version, old.state, filling.buffer)
+        new_state = coordinator.finalize(version, filling.buffer)
         model = coordinator.publish(version, new_state)
         last = version >= coordinator.config.rounds
         with self._cond:

@@ -37,6 +37,7 @@ from fedtrain.runtime.sessions import Session, SessionRegistry, instruct
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
+from fedtrain.strategy.aggregate import Aggregator
 from fedtrain.task import Task, TaskContext, model_for, resolve_device, task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -379,9 +380,7 @@ class Coordinator:
         if summary.poisoned or len(summary.contributors) < needed:
             return False
         server_round = state.round
-        old = self.global_model
-        self.checkpoints.wait()  # the previous round's write still reads the strategy's state
-        new_state = self.strategy.finalize_round(server_round, old.state, state.aggregate)
+        new_state = self.finalize(server_round, state.aggregate)
         privacy = self.strategy.round_metrics()
         if self.dp_accountant is not None:
             privacy["epsilon"] = self.dp_accountant.step(self._sampling_rate)
@@ -418,6 +417,12 @@ class Coordinator:
         return True
 
     # -- what every new global model goes through (rounds and FedBuff versions) ------------
+    def finalize(self, server_round: int, aggregate: Aggregator) -> ModelState:
+        """The strategy's next global model from `aggregate`, once the previous
+        checkpoint (which still reads the strategy's state) is on disk."""
+        self.checkpoints.wait()
+        return self.strategy.finalize_round(server_round, self.global_model.state, aggregate)
+
     def publish(self, server_round: int, state: ModelState) -> GlobalModel:
         """Make `state` the global model that downloads and evaluation see."""
         model = GlobalModel(server_round, new_model_version(), state)

@@ -226,11 +226,12 @@ def _answer(site: FakeSite, client: SecAggClient | None = None) -> Any:
     return client, msg
 
 
-def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
-    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
-) -> None:
+def _two_daemons_and_a_hand_driven_site(
+    tmp_path: Path, owned: list[Any]
+) -> tuple[AggregationServer, FakeSite]:
+    """A secure server, real daemons a and b, and site zz driven by the test. Three sites
+    start the round; two updates are enough to finish it."""
     task = TinyTask(features=100)
-    # Three sites start the round; two updates are enough to finish it.
     server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
     owned.append(server)
     for i, name in enumerate(("a", "b")):
@@ -239,6 +240,13 @@ def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
         server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
     )
     owned.append(fake)
+    return server, fake
+
+
+def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned)
     instruction = fake.expect("instruction").instruction
     assert instruction.secagg
     client, setup = _answer(fake)
@@ -286,15 +294,7 @@ def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
 def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     tmp_path: Path, owned: list[Any], spy: dict[str, Any], stage: str
 ) -> None:
-    task = TinyTask(features=100)
-    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
-    owned.append(server)
-    for i, name in enumerate(("a", "b")):
-        owned.append(_daemon(server, task, name, i))
-    fake = FakeSite(
-        server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
-    )
-    owned.append(fake)
+    server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned)
     instruction = fake.expect("instruction").instruction
     if stage == "SETUP":
         fake.expect("secagg")
