@@ -4,7 +4,8 @@ Layout (the runtime adds `audit.jsonl`):
 
     RUN_DIR/config.json        the resolved config, every default filled in
     RUN_DIR/metrics.jsonl      one JSON line per round
-    RUN_DIR/checkpoint.pt      latest round: model + strategy state + round (atomic)
+    RUN_DIR/checkpoint.ft      latest round: model + strategy state + round (atomic;
+                               `fedtrain.files` format, written past the page cache)
     RUN_DIR/model.pt           the final global model (tensors only)
 
 Files are replaced atomically (write to a temporary file, fsync, rename), so a crash
@@ -14,8 +15,6 @@ at any moment leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,22 +22,8 @@ from typing import Any
 import torch
 
 from fedtrain.errors import ConfigError
+from fedtrain.files import atomic_write, load_tensor_file, save_tensor_file
 from fedtrain.tensors import ModelState
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(fileobj)` on a temp file beside `path`, fsync, then rename over it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_state(path: Path, state: ModelState) -> None:
@@ -63,6 +48,11 @@ class RunDir:
 
     @property
     def checkpoint_path(self) -> Path:
+        return self.path / "checkpoint.ft"
+
+    @property
+    def legacy_checkpoint_path(self) -> Path:
+        """Where fedtrain before the `fedtrain.files` format kept it (`torch.save`)."""
         return self.path / "checkpoint.pt"
 
     @property
@@ -107,14 +97,17 @@ class RunDir:
             "strategy": dict(strategy_state),
             "extra": dict(extra or {}),
         }
-        atomic_write(self.checkpoint_path, lambda f: torch.save(payload, f))
+        save_tensor_file(self.checkpoint_path, payload)
 
     def load_checkpoint(self) -> tuple[int, ModelState, dict[str, Any], dict[str, Any]]:
-        if not self.checkpoint_path.exists():
+        if self.checkpoint_path.exists():
+            payload = load_tensor_file(self.checkpoint_path)
+        elif self.legacy_checkpoint_path.exists():
+            payload = torch.load(self.legacy_checkpoint_path, map_location="cpu", weights_only=True)
+        else:
             raise ConfigError(
                 f"no checkpoint in {self.path}: nothing to resume (start without --resume)"
             )
-        payload = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
         return payload["round"], ModelState(payload["model"]), payload["strategy"], payload["extra"]
 
     def save_model(self, state: ModelState) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 from runtime_support import Deployment, wait_for
 
+from fedtrain.files import load_tensor_file
 from fedtrain.run_dir import load_state
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -60,7 +60,7 @@ def test_mtls_run_writes_metrics_audit_and_checkpoint(tmp_path: Path) -> None:
     assert all(sorted(r["contributors"]) == sites for r in completed)
     assert len({r["model_version"] for r in completed}) == 3
 
-    checkpoint = torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)
+    checkpoint = load_tensor_file(dep.run_dir / "checkpoint.ft")
     assert checkpoint["round"] == 3
     assert checkpoint["extra"]["model_version"] == completed[-1]["model_version"]
     (done,) = dep.audit("run_completed")
@@ -146,8 +146,8 @@ def test_site_killed_mid_round_is_a_dropout(tmp_path: Path) -> None:
 def _checkpointed(dep: Deployment) -> int:
     """The round of the run's checkpoint (written in the background); 0 before the first."""
     try:
-        return int(torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)["round"])
-    except (FileNotFoundError, EOFError, RuntimeError):
+        return int(load_tensor_file(dep.run_dir / "checkpoint.ft")["round"])
+    except FileNotFoundError:
         return 0
 
 
@@ -165,7 +165,7 @@ def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
             dep.start_site(name, task_options={"delay_s": 0.3})
         wait_for(lambda: _checkpointed(dep) >= 2, 60, "two rounds checkpointed")
         dep.procs.stop("server", signal.SIGKILL)
-        killed_at = torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)["round"]
+        killed_at = load_tensor_file(dep.run_dir / "checkpoint.ft")["round"]
         assert 2 <= killed_at < 5
         dep.start_server(resume=True, name="server-resumed")
         assert dep.wait_server(60, name="server-resumed") == 0, dep.log("server-resumed")
@@ -174,7 +174,7 @@ def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
     assert codes["a"] == codes["b"] == 0
     rounds = _rounds(dep)
     assert rounds[-1] == 5 and rounds == sorted(set(rounds))
-    assert torch.load(dep.run_dir / "checkpoint.pt", weights_only=True)["round"] == 5
+    assert load_tensor_file(dep.run_dir / "checkpoint.ft")["round"] == 5
     started, resumed = dep.audit("run_started"), dep.audit("run_resumed")
     assert len(started) == 1 and len(resumed) == 1
     assert resumed[0]["run_id"] == started[0]["run_id"]

@@ -25,6 +25,7 @@ from runtime_support import (
 )
 
 from fedtrain.config import from_dict
+from fedtrain.files import load_tensor_file
 from fedtrain.runtime import wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
@@ -146,7 +147,7 @@ def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> 
     expected = apply_mean_delta(global_before, {k: v.float() for k, v in delta.items()})
     assert server.coordinator.global_model.state.equal(expected)
     server.coordinator.checkpoints.wait()  # written in the background
-    checkpoint = torch.load(server.run_dir.checkpoint_path, weights_only=True)
+    checkpoint = load_tensor_file(server.run_dir.checkpoint_path)
     assert checkpoint["extra"]["model_version"] == next_instruction.model_version
     assert ModelState(checkpoint["model"]).equal(expected)
 
