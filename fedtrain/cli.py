@@ -115,6 +115,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
+    from fedtrain.runtime.allocator import tune_allocator
+
+    tune_allocator()  # before torch is imported (see its docstring)
+
     from fedtrain.observability.progress import describe
     from fedtrain.runtime.config import load_server_config
     from fedtrain.runtime.lifecycle import stop_on_signals
@@ -153,6 +157,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    from fedtrain.runtime.allocator import tune_allocator
+
+    tune_allocator()  # before torch is imported (see its docstring)
     from fedtrain.runtime.config import load_site_config
     from fedtrain.runtime.lifecycle import stop_on_signals
     from fedtrain.runtime.site import SiteDaemon, site_name
