@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -96,8 +96,10 @@ def _write_configs(
     port: int,
     tls: bool,
     timeout: float,
+    server_options: Mapping[str, Any],
 ) -> tuple[Path, list[Path]]:
-    """server.toml and site-i.toml (plus a CA and certificates when ``tls``)."""
+    """server.toml (``server_options`` on top) and site-i.toml (plus a CA and
+    certificates when ``tls``)."""
     from fedtrain.runtime import tls as fedtls
     from fedtrain.runtime.demo import dump_toml
 
@@ -114,6 +116,7 @@ def _write_configs(
         "max_round_attempts": 1,  # a failed round is a failed benchmark, not a retry
         "strategy": {"min_fit_clients": num_sites, "min_available_clients": num_sites},
         "client": {"epochs": 1},
+        **server_options,
     }
     site_tls: dict[str, dict[str, Any]] = {}
     if tls:
@@ -227,8 +230,11 @@ def run_fedtrain_deployment(
     timeout_s: float,
     *,
     tls: bool = False,
+    server_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on fedtrain's runtime.
+
+    ``server_options`` are server.toml keys set on top of the benchmark's own.
 
     ``workdir`` (emptied first) receives the TOML files, PKI, logs and the run
     directory. Every process started is stopped before returning, even on error or
@@ -249,7 +255,7 @@ def run_fedtrain_deployment(
     logs = workdir / "logs"
     logs.mkdir(parents=True)
     server_toml, site_tomls = _write_configs(
-        workdir, num_params, num_sites, rounds, _free_port(), tls, timeout_s
+        workdir, num_params, num_sites, rounds, _free_port(), tls, timeout_s, server_options or {}
     )
     marker = uuid.uuid4().hex
     env = dict(os.environ)
@@ -411,11 +417,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls", action="store_true", help="mutual TLS instead of --insecure")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
     parser.add_argument("--keep", action="store_true", help="keep the workdir (logs) on success")
+    parser.add_argument(
+        "--upload-memory-mb",
+        type=int,
+        default=None,
+        help="server.toml upload_memory_mb (default: the server's default)",
+    )
     args = parser.parse_args(argv)
     own_tmp = args.workdir is None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedtrain_deploy_"))
     result = run_fedtrain_deployment(
-        args.params, args.sites, args.rounds, workdir, args.timeout, tls=args.tls
+        args.params,
+        args.sites,
+        args.rounds,
+        workdir,
+        args.timeout,
+        tls=args.tls,
+        server_options={}
+        if args.upload_memory_mb is None
+        else {"upload_memory_mb": args.upload_memory_mb},
     )
     if result["ok"] and own_tmp and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

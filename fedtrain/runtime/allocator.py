@@ -4,11 +4,11 @@ Every round a server or a site allocates and frees the model's bytes several tim
 in 4 MiB pieces: gRPC messages, upload journals, update chunks. With glibc's defaults
 such pieces are served by fresh `mmap`s or returned to the kernel when the heap top is
 trimmed, so each round pays page faults and kernel page zeroing for memory it had just
-freed. Keeping them in the heap (pieces under 32 MiB come from the heap; up to 1 GiB of
-free heap top is kept) made 100M-parameter rounds ~17% faster here (1.34 s vs 1.61 s,
-server CPU -13%, sites -15%; benchmarks/RESULTS.md). The price: the process keeps its
-round's high-water mark resident between rounds instead of returning it, which its peak
-RSS already was.
+freed. Keeping them in the heap (pieces under 32 MiB come from the heap; up to 64 MiB of
+free heap top is kept) made 100M-parameter rounds ~10% faster here (1.32 s vs 1.45-1.5 s,
+alternating runs; benchmarks/RESULTS.md) with fewer page faults on server and sites.
+Peak RSS is unchanged (a 1 GiB trim threshold, also tried, kept up to 0.8 GB more
+resident at 500M parameters for no speed gain).
 
 `mallopt` must run before torch is imported: applied after it, the same settings gave
 only part of the gain (1.47 s). Skipped on other C libraries, and wherever the operator
@@ -33,7 +33,7 @@ M_MMAP_THRESHOLD = -3
 #: Pieces below this come from the heap (glibc's largest allowed value on 64-bit).
 MMAP_THRESHOLD = 32 << 20
 #: Free memory at the heap top up to this is kept for the next round.
-TRIM_THRESHOLD = 1 << 30
+TRIM_THRESHOLD = 64 << 20
 
 
 def operator_chose(environ: Mapping[str, str]) -> bool:

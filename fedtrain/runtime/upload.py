@@ -11,12 +11,16 @@ from it. The undo leaves the sum equal to what it would have been without the up
 up to float rounding (~1 ulp of the accumulator), the same size as the difference the
 order of arrival of uploads already makes.
 
-The journal keeps chunks in memory (the received buffers themselves, no copy) while
-the server's `upload_memory_mb` budget, shared by all uploads in flight, allows, and
-appends the rest to a temporary file. Memory: at most that budget plus O(chunk) per
-upload. On disk the journal costs a write at page-cache speed as long as the disk
-keeps up; when it does not (a checkpoint's fsync, other writers) the writer is
-throttled to the disk's speed, which is why memory comes first.
+The journal keeps an upload's chunks in memory (the received buffers themselves, no
+copy) when the whole update fits in what is left of the server's `upload_memory_mb`
+budget, shared by all uploads in flight, and in a temporary file otherwise. The
+reservation is the whole update's size, made when the upload starts: an update that
+could only partly fit would cost the same disk writes while also holding the memory,
+and for a model larger than the budget (where the server's RAM is what limits it:
+global model + accumulator already take 2x the model) journals go straight to disk.
+Memory: at most that budget plus O(chunk) per upload. On disk the journal costs a
+write at page-cache speed as long as the disk keeps up; when it does not (other
+writers) the writer is throttled to the disk's speed, which is why memory comes first.
 
 Aggregators that must see a whole update before using it (median, trimmed mean,
 Krum: not a `WeightedSum`) get the update from the journal once it is complete,
@@ -100,7 +104,9 @@ class UpdateSpool:
         self.max_chunk_bytes = max_chunk_bytes
         self._directory = directory
         self._memory = memory
-        self._held = 0  # bytes of the budget this upload holds
+        size = sum(spec.nbytes for spec in specs)
+        # The whole update's bytes of the budget, or none: the journal is in memory or on disk.
+        self._held = size if memory is not None and memory.take(size) else 0
         self._fd = -1
         self.path: Path | None = None  # the journal file, once a chunk had to go to disk
         # Per journaled chunk, in order: (tensor name, byte offset in the tensor, size,
@@ -127,8 +133,7 @@ class UpdateSpool:
         values = chunk_values(chunk)
         ensure_finite(spec.name, values)
         data = memoryview(chunk.data).cast("B")
-        if self._memory is not None and self._memory.take(len(data)):
-            self._held += len(data)
+        if self._held:
             self._index.append((spec.name, chunk.offset, len(data), data))
         else:
             self._append_to_file(data)

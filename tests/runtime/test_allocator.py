@@ -28,7 +28,7 @@ def test_applies_both_thresholds(monkeypatch: pytest.MonkeyPatch) -> None:
     assert allocator.tune_allocator({}) is True
     assert libc.calls == [
         (allocator.M_MMAP_THRESHOLD, 32 << 20),
-        (allocator.M_TRIM_THRESHOLD, 1 << 30),
+        (allocator.M_TRIM_THRESHOLD, 64 << 20),
     ]
 
 
