@@ -3,7 +3,7 @@
 The side-by-side benchmark times whole rounds across processes; this module explains
 them. At one model size it times, in this process and with fedtrain's own code:
 
-- ``checkpoint``: ``RunDir.save_checkpoint`` (torch.save + fsync + rename) every round,
+- ``checkpoint``: ``RunDir.save_checkpoint`` (direct I/O write + fsync + rename) every round,
   on its own thread while the next round runs;
 - ``begin_round``: allocating and zeroing the FedAvg accumulator;
 - ``receive``: one update as the upload handler takes it, chunk by chunk: placement

@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,7 +328,7 @@ def render_section(
         "ServerApp (after node sampling; after each `aggregate_train`). fedtrain: round 1 "
         "is the server's own `seconds` (metrics.jsonl); later rounds are the gaps between "
         "the server's `--progress-jsonl` lines, which it prints once the new model is "
-        "finalized and logged; its checkpoint (torch.save + fsync) is written on its own "
+        "finalized and logged; its checkpoint (direct I/O write + fsync) is written on its own "
         "thread while the next round runs, and round k+1 waits for round k's checkpoint "
         "before it finalizes, so every checkpoint's cost is inside the timed rounds "
         "(Flower writes none). "
@@ -362,6 +362,7 @@ def render_section(
         "Targets are judged against the faster of Flower's two ClientApp variants in this "
         "run (met = that speed-up reaches the target). Per-round values and each run's "
         "wall time are in the JSON whose path the command prints last.",
+        *_floor_lines(profile, lambda size, run: med(get(run[0], size, run[1]))),
         "",
         "### Peak RSS (GB) of each process tree",
         "",
@@ -470,6 +471,37 @@ def _breakdown_lines(results: list[tuple[Job, Result]]) -> list[str]:
     return lines
 
 
+def _floor_lines(
+    profile: dict[str, Any] | None, median: Callable[[int, tuple[str, str]], float | None]
+) -> list[str]:
+    """fedtrain's round and the targeted one against the raw gRPC round floor."""
+    if not profile or not profile.get("grpc_round_floor"):
+        return []
+    size = int(profile["num_params"])
+    floor = statistics.median(profile["grpc_round_floor"])
+    ft = median(size, ("fedtrain", "insecure"))
+    flower = min(
+        (v for v in (median(size, ("flower", "numpy")), median(size, ("flower", "torch"))) if v),
+        default=None,
+    )
+    target = TARGETS.get(size)
+    text = (
+        f"Raw floor at {human(size)}: the same transfers with no fedtrain code at all (a bare "
+        f"gRPC server process and {profile['sites']} client processes, each downloading then "
+        "uploading the model's bytes at once, nothing deserialized, checked, folded or "
+        f"saved: `benchmarks/grpc_floor.py`) took {secs(floor)} s per round (median of "
+        f"{len(profile['grpc_round_floor'])}) in this run."
+    )
+    if ft:
+        text += f" fedtrain's round is {ft / floor:.2f}x that floor."
+    if target and flower:
+        text += (
+            f" A {target:.0f}x speed-up over Flower here needs {secs(flower / target)} s per "
+            f"round, {flower / target / floor:.2f}x the floor."
+        )
+    return ["", text]
+
+
 def _profile_lines(profile: dict[str, Any]) -> list[str]:
     size = int(profile["num_params"])
     t = profile["seconds"]
@@ -489,7 +521,7 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         *(
             f"| {name} | {secs(t[key])} | {model_mb / t[key]:.0f} |"
             for name, key in (
-                ("checkpoint (torch.save + fsync + rename)", "checkpoint"),
+                ("checkpoint (direct I/O write + fsync + rename)", "checkpoint"),
                 ("begin_round (zeroed accumulator)", "begin_round"),
                 ("receive one update (validate, finiteness, journal in memory, add)", "receive"),
                 ("the same, journal on disk", "receive_disk"),
@@ -680,6 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_profile(size: int, sites: int, workdir: Path) -> dict[str, Any] | None:
     """The in-process server profile, skipped when memory is short (it holds ~3 models)."""
+    from benchmarks.grpc_floor import grpc_round_floor
     from benchmarks.runtime_profile import profile_server_pieces
 
     need = 3 * size * 4 + (1 << 30)
@@ -688,7 +721,8 @@ def _run_profile(size: int, sites: int, workdir: Path) -> dict[str, Any] | None:
         return None
     seconds = profile_server_pieces(size, workdir / "profile")
     shutil.rmtree(workdir / "profile", ignore_errors=True)
-    return {"num_params": size, "sites": sites, "seconds": seconds}
+    floor = grpc_round_floor(size * 4, sites, rounds=5)
+    return {"num_params": size, "sites": sites, "seconds": seconds, "grpc_round_floor": floor}
 
 
 if __name__ == "__main__":
