@@ -29,19 +29,22 @@ import grpc
 
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
-__all__ = ["grpc_round_floor"]
+__all__ = ["channel_options", "grpc_round_floor", "raw_handler"]
 
 
 def _ident(data: bytes) -> bytes:
     return data
 
 
-def _options(chunk_bytes: int) -> list[tuple[str, int]]:
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    """Message limits for ``chunk_bytes`` messages (as fedtrain sets them)."""
     limit = chunk_bytes + (1 << 20)
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def _serve(ports: Any, stop: Any, num_bytes: int, chunk_bytes: int, sites: int) -> None:
+def raw_handler(num_bytes: int, chunk_bytes: int) -> grpc.GenericRpcHandler:
+    """Service ``floor``: ``Up`` counts what a client streams in; ``Down`` streams out
+    ``num_bytes`` in ``chunk_bytes`` messages of one prepared buffer."""
     payload = bytes(chunk_bytes)
     messages = max(1, num_bytes // chunk_bytes)
 
@@ -60,9 +63,13 @@ def _serve(ports: Any, stop: Any, num_bytes: int, chunk_bytes: int, sites: int) 
             download, request_deserializer=_ident, response_serializer=_ident
         ),
     }
+    return grpc.method_handlers_generic_handler("floor", handlers)
+
+
+def _serve(ports: Any, stop: Any, num_bytes: int, chunk_bytes: int, sites: int) -> None:
     workers = futures.ThreadPoolExecutor(max_workers=2 * sites + 2)
-    server = grpc.server(workers, options=_options(chunk_bytes))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("floor", handlers),))
+    server = grpc.server(workers, options=channel_options(chunk_bytes))
+    server.add_generic_rpc_handlers((raw_handler(num_bytes, chunk_bytes),))
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     stop.wait()
@@ -70,7 +77,8 @@ def _serve(ports: Any, stop: Any, num_bytes: int, chunk_bytes: int, sites: int) 
 
 
 def _client(port: int, num_bytes: int, chunk_bytes: int, rounds: int, start: Any, out: Any) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=_options(chunk_bytes)) as channel:
+    address = f"127.0.0.1:{port}"
+    with grpc.insecure_channel(address, options=channel_options(chunk_bytes)) as channel:
         up = channel.stream_unary("/floor/Up", request_serializer=_ident)
         down = channel.unary_stream("/floor/Down", request_serializer=_ident)
         payload = bytes(chunk_bytes)

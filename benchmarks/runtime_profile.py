@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import torch
 
+from benchmarks.grpc_floor import channel_options, raw_handler
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime.upload import MemoryBudget, UpdateSpool
 from fedtrain.strategy.aggregate import check_finite
@@ -60,38 +61,17 @@ def _elementwise_finite(values: torch.Tensor) -> bool:
 
 def _grpc_throughput(total_bytes: int, chunk_bytes: int, repeat: int) -> tuple[float, float]:
     """Seconds to stream ``total_bytes`` up and down over loopback gRPC (best of ``repeat``)."""
-
-    def ident(data: bytes) -> bytes:
-        return data
-
     messages = max(1, total_bytes // chunk_bytes)
     payload = bytes(chunk_bytes)
-
-    def upload(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        return sum(len(m) for m in requests).to_bytes(8, "little")
-
-    def download(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        for _ in range(messages):
-            yield payload
-
-    handlers = {
-        "Up": grpc.stream_unary_rpc_method_handler(
-            upload, request_deserializer=ident, response_serializer=ident
-        ),
-        "Down": grpc.unary_stream_rpc_method_handler(
-            download, request_deserializer=ident, response_serializer=ident
-        ),
-    }
-    limit = chunk_bytes + (1 << 20)
-    options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    options = channel_options(chunk_bytes)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench", handlers),))
+    server.add_generic_rpc_handlers((raw_handler(total_bytes, chunk_bytes),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-            up = channel.stream_unary("/bench/Up", request_serializer=ident)
-            down = channel.unary_stream("/bench/Down", request_serializer=ident)
+            up = channel.stream_unary("/floor/Up")
+            down = channel.unary_stream("/floor/Down")
             t_up = _best(lambda: up(iter([payload] * messages)), repeat)
             t_down = _best(lambda: sum(len(m) for m in down(b"")), repeat)
     finally:
