@@ -159,11 +159,6 @@ def save_tensor_file(path: Path, payload: Any) -> None:
             writer.close()
 
 
-def is_tensor_file(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(len(MAGIC)) == MAGIC
-
-
 def load_tensor_file(path: Path) -> Any:
     """The payload `save_tensor_file` wrote; a clear error for a damaged file."""
     size = path.stat().st_size
