@@ -8,13 +8,16 @@ only the atexit hook stands between its workers and a hang at exit.
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 import time
 
 from fedtrain.parallel import WorkerGroup
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test asks where it hangs
     group = WorkerGroup("_ddp_tasks:ToyTask", nproc=2)
     if sys.argv[1] == "leak":
         group.start()

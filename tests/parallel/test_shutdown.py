@@ -47,7 +47,12 @@ def test_owner_leaves_no_worker_behind(mode, ending):
             owner.stdin.close()  # lets it return from main; atexit must stop the group
         else:
             owner.send_signal(ending)
-        owner.wait(30)  # no hang at exit
+        try:
+            owner.wait(30)  # no hang at exit
+        except subprocess.TimeoutExpired:
+            owner.send_signal(signal.SIGUSR2)  # its threads' stacks go to the captured stderr
+            time.sleep(2)
+            pytest.fail(f"the group owner hung for 30 s after {ending or 'stdin closed'}")
         deadline = time.monotonic() + 10
         while not gone(workers) and time.monotonic() < deadline:
             time.sleep(0.1)
