@@ -3,8 +3,9 @@
 A server checkpoints its model every round while it is also sending and receiving
 that model. A buffered write (what `torch.save` and safetensors do) copies every byte
 into the page cache; on a machine whose page cache is already full, allocating those
-pages cost 0.1-1.0 s of CPU per 400 MB here, against ~0.06 s for the same bytes
-written with `O_DIRECT` (one memcpy into an aligned buffer; the device does the rest).
+pages made a 400 MB `torch.save` checkpoint cost 0.3-1.3 s of CPU here, against ~0.2 s
+for the same checkpoint written with `O_DIRECT` (one memcpy into an aligned buffer;
+the device does the rest).
 No well-kept library writes tensors with `O_DIRECT`, so this module has its own small
 format for them:
 

@@ -5,10 +5,10 @@ in 4 MiB pieces: gRPC messages, upload journals, update chunks. With glibc's def
 such pieces are served by fresh `mmap`s or returned to the kernel when the heap top is
 trimmed, so each round pays page faults and kernel page zeroing for memory it had just
 freed. Keeping them in the heap (pieces under 32 MiB come from the heap; up to 64 MiB of
-free heap top is kept) made 100M-parameter rounds ~10% faster here (1.32 s vs 1.45-1.5 s,
-alternating runs; benchmarks/RESULTS.md) with fewer page faults on server and sites.
-Peak RSS is unchanged (a 1 GiB trim threshold, also tried, kept up to 0.8 GB more
-resident at 500M parameters for no speed gain).
+free heap top is kept) made 100M-parameter rounds ~6% faster here (1.39-1.45 s vs
+1.48-1.54 s in alternating runs; server -0.05 s and sites -0.12 s of CPU per round;
+benchmarks/RESULTS.md). Peak RSS is unchanged (a 1 GiB trim threshold, also tried, kept
+up to 0.8 GB more resident at 500M parameters for no speed gain).
 
 `mallopt` must run before torch is imported: applied after it, the same settings gave
 only part of the gain (1.47 s). Skipped on other C libraries, and wherever the operator

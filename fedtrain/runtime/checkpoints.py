@@ -1,9 +1,9 @@
 """Round checkpoints written on their own thread, while the next round already runs.
 
-Writing a large model (`fedtrain.files`: direct I/O, fsync, rename) takes about as long as moving it
-over the wire once; done inline it would sit between one round's last update and the
-next round's instructions. Here round k's checkpoint
-is written while round k+1's sites download and train. One write is in flight at a
+Writing a large model (`fedtrain.files`: direct I/O, fsync, rename) takes about as
+long as moving it over the wire once; done inline it would sit between one round's
+last update and the next round's instructions. Here round k's checkpoint is written
+while round k+1's sites download and train. One write is in flight at a
 time, and the coordinator waits for it before it finalizes the next round (so nothing
 the write reads is changed under it) and before the server exits.
 

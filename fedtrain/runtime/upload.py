@@ -106,7 +106,8 @@ class UpdateSpool:
         self._memory = memory
         size = sum(spec.nbytes for spec in specs)
         # The whole update's bytes of the budget, or none: the journal is in memory or on disk.
-        self._held = size if memory is not None and memory.take(size) else 0
+        self._in_memory = memory is not None and memory.take(size)
+        self._held = size if self._in_memory else 0  # bytes of the budget to give back
         self._fd = -1
         self.path: Path | None = None  # the journal file, once a chunk had to go to disk
         # Per journaled chunk, in order: (tensor name, byte offset in the tensor, size,
@@ -133,7 +134,7 @@ class UpdateSpool:
         values = chunk_values(chunk)
         ensure_finite(spec.name, values)
         data = memoryview(chunk.data).cast("B")
-        if self._held:
+        if self._in_memory:
             self._index.append((spec.name, chunk.offset, len(data), data))
         else:
             self._append_to_file(data)
