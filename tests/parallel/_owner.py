@@ -18,6 +18,9 @@ from fedtrain.parallel import WorkerGroup
 
 if __name__ == "__main__":
     faulthandler.register(signal.SIGUSR2, all_threads=True)  # the test asks where it hangs
+    # Ctrl-C as in a terminal, also when the tests run in a background job (shells start
+    # those with SIGINT ignored, which children inherit).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     group = WorkerGroup("_ddp_tasks:ToyTask", nproc=2)
     if sys.argv[1] == "leak":
         group.start()
