@@ -188,10 +188,11 @@ def parse_breakdown(logs: Path, num_sites: int) -> list[dict[str, float]]:
     """Where each round's time went, from the server's and sites' own log lines.
 
     Per round: ``download``/``train``/``upload`` are the slowest site's phases as the
-    site daemon logs them (its upload phase ends when the server has spooled,
-    validated and folded the update), ``after_last_fold`` is the server's time from
-    the last fold to the round's metrics line (FedAvg finalize, SHA-256 of the new
-    model, checkpoint write + fsync), and ``push_to_last_fold`` the server's view of
+    site daemon logs them (its upload phase ends when the server has validated,
+    journaled and folded the update), ``after_last_fold`` is the server's time from
+    the last fold to the round's metrics line (waiting for the previous round's
+    background checkpoint, FedAvg finalize, evaluation and logging), and
+    ``push_to_last_fold`` the server's view of
     the distributed part. Log stamps have millisecond resolution.
     """
     starts: dict[int, float] = {}
