@@ -5,7 +5,7 @@ Layout (the runtime adds `audit.jsonl`):
     RUN_DIR/config.json        the resolved config, every default filled in
     RUN_DIR/metrics.jsonl      one JSON line per round
     RUN_DIR/checkpoint.ft      latest round: model + strategy state + round (atomic;
-                               `fedtrain.files` format, written past the page cache)
+                               `fedtrain.tensor_file` format, written past the page cache)
     RUN_DIR/model.pt           the final global model (tensors only)
 
 Files are replaced atomically (write to a temporary file, fsync, rename), so a crash
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from fedtrain.errors import ConfigError
-from fedtrain.files import atomic_write, load_tensor_file, save_tensor_file
+from fedtrain.files import atomic_write
+from fedtrain.tensor_file import load_tensor_file, save_tensor_file
 from fedtrain.tensors import ModelState
 
 
@@ -52,7 +53,7 @@ class RunDir:
 
     @property
     def legacy_checkpoint_path(self) -> Path:
-        """Where fedtrain before the `fedtrain.files` format kept it (`torch.save`)."""
+        """Where fedtrain before the `fedtrain.tensor_file` format kept it (`torch.save`)."""
         return self.path / "checkpoint.pt"
 
     @property

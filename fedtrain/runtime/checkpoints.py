@@ -1,6 +1,6 @@
 """Round checkpoints written on their own thread, while the next round already runs.
 
-Writing a large model (`fedtrain.files`: direct I/O, fsync, rename) takes about as
+Writing a large model (`fedtrain.tensor_file`: direct I/O, fsync, rename) takes about as
 long as moving it over the wire once; done inline it would sit between one round's
 last update and the next round's instructions. Here round k's checkpoint is written
 while round k+1's sites download and train. One write is in flight at a

@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.types import (
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fedtrain.errors import CertificateError, ConfigError
+from fedtrain.files import atomic_write
 
 __all__ = [
     "CA_CERT",
@@ -170,21 +171,6 @@ def _server_names(hostnames: Sequence[str]) -> list[x509.GeneralName]:
             "dial (for example 127.0.0.1 for a local test)"
         )
     return names
-
-
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Write via a temporary file and rename, so a crash never leaves half a key."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.chmod(tmp, mode)  # the umask may have removed bits; set exactly what we mean
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _key_pem(key: PrivateKeyTypes) -> bytes:
@@ -394,8 +380,8 @@ def init_ca(directory: PathLike, name: str = "fedtrain-federation-ca", days: int
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .sign(key, hashes.SHA256())
     )
-    _atomic_write(key_path, _key_pem(key), 0o600)
-    _atomic_write(cert_path, _cert_pem(cert), 0o644)
+    atomic_write(key_path, lambda f: f.write(_key_pem(key)), 0o600)
+    atomic_write(cert_path, lambda f: f.write(_cert_pem(cert)), 0o644)
     log.info(
         "created federation CA %r in %s (valid until %s)",
         name,
@@ -497,11 +483,11 @@ def _issue(
     out_dir.mkdir(parents=True, exist_ok=True)
     cert_path, key_path = out_dir / f"{stem}.crt", out_dir / f"{stem}.key"
     # Key first: a crash in between leaves an orphan key, never a cert without its key.
-    _atomic_write(key_path, _key_pem(key), 0o600)
-    _atomic_write(cert_path, _cert_pem(cert), 0o644)
+    atomic_write(key_path, lambda f: f.write(_key_pem(key)), 0o600)
+    atomic_write(cert_path, lambda f: f.write(_cert_pem(cert)), 0o644)
     ca_copy = out_dir / CA_CERT
     if not (ca_copy.exists() and ca_copy.resolve() == (ca_dir / CA_CERT).resolve()):
-        _atomic_write(ca_copy, _cert_pem(ca_cert), 0o644)
+        atomic_write(ca_copy, lambda f: f.write(_cert_pem(ca_cert)), 0o644)
     log.info(
         "issued %s certificate %s (CN=%s, valid until %s)",
         "server" if usage == ExtendedKeyUsageOID.SERVER_AUTH else "site",

@@ -13,10 +13,10 @@ import grpc
 import pytest
 from runtime_support import Deployment, wait_for
 
-from fedtrain.files import load_tensor_file
 from fedtrain.run_dir import load_state
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.tensor_file import load_tensor_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

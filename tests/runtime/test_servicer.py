@@ -25,7 +25,6 @@ from runtime_support import (
 )
 
 from fedtrain.config import from_dict
-from fedtrain.files import load_tensor_file
 from fedtrain.runtime import wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
@@ -35,6 +34,7 @@ from fedtrain.runtime.site import SiteDaemon
 from fedtrain.strategy import WeightedSum
 from fedtrain.strategy.aggregate import apply_mean_delta
 from fedtrain.task import task_fingerprint
+from fedtrain.tensor_file import load_tensor_file
 from fedtrain.tensors import ModelState, StateAssembler
 
 

@@ -1,4 +1,4 @@
-"""fedtrain.files: tensor payloads round-trip bit for bit, atomically, and damage is named."""
+"""fedtrain.tensor_file: tensor payloads round-trip bit for bit, atomically, and damage is named."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedtrain import files
+from fedtrain import tensor_file
 from fedtrain.errors import ConfigError
 from fedtrain.run_dir import RunDir
 from fedtrain.tensors import ModelState
@@ -58,9 +58,9 @@ def _same(a: object, b: object) -> None:
 def test_round_trip_bit_exact_and_aligned(tmp_path: Path) -> None:
     path = tmp_path / "ck.ft"
     payload = _payload()
-    files.save_tensor_file(path, payload)
-    assert path.stat().st_size % files.ALIGN == 0
-    _same(payload, files.load_tensor_file(path))
+    tensor_file.save_tensor_file(path, payload)
+    assert path.stat().st_size % tensor_file.ALIGN == 0
+    _same(payload, tensor_file.load_tensor_file(path))
     assert [p.name for p in tmp_path.iterdir()] == ["ck.ft"]  # no temp file left
 
 
@@ -79,46 +79,46 @@ def test_falls_back_to_the_page_cache_when_direct_io_is_refused(
 
     if not getattr(os, "O_DIRECT", 0):
         pytest.skip("no O_DIRECT on this platform: the buffered path is the only path")
-    monkeypatch.setattr(files.os, "pwrite", pwrite)
+    monkeypatch.setattr(tensor_file.os, "pwrite", pwrite)
     payload = _payload()
-    files.save_tensor_file(tmp_path / "ck.ft", payload)
+    tensor_file.save_tensor_file(tmp_path / "ck.ft", payload)
     assert refused == [0]
-    _same(payload, files.load_tensor_file(tmp_path / "ck.ft"))
+    _same(payload, tensor_file.load_tensor_file(tmp_path / "ck.ft"))
 
 
 def test_a_failed_write_keeps_the_previous_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "ck.ft"
-    files.save_tensor_file(path, {"round": 1, "w": torch.ones(10)})
+    tensor_file.save_tensor_file(path, {"round": 1, "w": torch.ones(10)})
 
     def broken(fd: int, data: memoryview, offset: int) -> int:
         if offset > 0:
             raise OSError(28, "No space left on device")
         return len(data)
 
-    monkeypatch.setattr(files.os, "pwrite", broken)
+    monkeypatch.setattr(tensor_file.os, "pwrite", broken)
     with pytest.raises(OSError, match="No space"):
-        files.save_tensor_file(path, {"round": 2, "w": torch.zeros(10)})
+        tensor_file.save_tensor_file(path, {"round": 2, "w": torch.zeros(10)})
     monkeypatch.undo()
-    assert files.load_tensor_file(path)["round"] == 1
+    assert tensor_file.load_tensor_file(path)["round"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["ck.ft"]
 
 
 @pytest.mark.parametrize("cut", ["preamble", "header", "blob", "magic"])
 def test_damaged_files_are_named(tmp_path: Path, cut: str) -> None:
     path = tmp_path / "ck.ft"
-    files.save_tensor_file(path, {"w": torch.arange(5000, dtype=torch.float32)})
+    tensor_file.save_tensor_file(path, {"w": torch.arange(5000, dtype=torch.float32)})
     data = path.read_bytes()
     damaged = {
         "preamble": data[:10],
         "header": data[:40],
-        "blob": data[: files.ALIGN + 100],
+        "blob": data[: tensor_file.ALIGN + 100],
         "magic": b"NOTMAGIC" + data[8:],
     }[cut]
     path.write_bytes(damaged)
     with pytest.raises(ConfigError, match=r"ck\.ft is damaged .*start the run anew"):
-        files.load_tensor_file(path)
+        tensor_file.load_tensor_file(path)
 
 
 def test_run_dir_checkpoint_and_legacy_torch_save(tmp_path: Path) -> None:
