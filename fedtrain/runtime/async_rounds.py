@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from fedtrain.errors import ConfigError
-from fedtrain.runtime.rounds import Outcome, UploadRefused
+from fedtrain.runtime.rounds import Outcome, UploadRefused, refuse_second_upload
 from fedtrain.runtime.sessions import Session, instruct
 from fedtrain.runtime.upload import Piece, UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate
@@ -277,11 +277,7 @@ class BufferedRounds:
                     f"{where}: update computed against model {model_version[:12]}, but the job "
                     f"was to train from version {job.version} ({job.digest[:12]})",
                 )
-            if session.site in self.uploading:
-                raise UploadRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{where}: another upload from this site is still in progress",
-                )
+            refuse_second_upload(self.uploading, session.site, where)
             self._check_staleness(job, where, stage=False)  # refuse before the bytes travel
             self.uploading[session.site] = job
 

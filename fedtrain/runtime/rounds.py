@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,6 +34,15 @@ class UploadRefused(UpdateRejected):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+def refuse_second_upload(uploading: Collection[str], site: str, where: str) -> None:
+    """One upload per site at a time, in a round or in an asynchronous job alike."""
+    if site in uploading:
+        raise UploadRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{where}: another upload from this site is still in progress",
+        )
 
 
 class Outcome(str, Enum):
@@ -117,11 +126,7 @@ class RoundState:
                     f"{where}: duplicate upload; this site's round already ended as "
                     f"{self.outcomes[session.site].value}",
                 )
-            if session.site in self.uploading:
-                raise UploadRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{where}: another upload from this site is still in progress",
-                )
+            refuse_second_upload(self.uploading, session.site, where)
             self.uploading.add(session.site)
 
     def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
