@@ -68,10 +68,19 @@ from fedtrain.secagg.graph import (
     neighbour_graph,
     neighbours_of,
 )
+from fedtrain.secagg.identity import (
+    Identity,
+    InMemoryPKI,
+    SigningIdentity,
+    VerifiedPeer,
+    Verifier,
+)
 from fedtrain.secagg.inmemory import run_in_memory
 from fedtrain.secagg.messages import (
     AdvertiseKeys,
     ClientMessage,
+    ConsistencyRequest,
+    ConsistencySignature,
     KeysBroadcast,
     MaskedInput,
     Message,
@@ -90,6 +99,10 @@ from fedtrain.secagg.quantize import Quantizer, max_bits_for
 __all__ = [
     "AdvertiseKeys",
     "ClientMessage",
+    "ConsistencyRequest",
+    "ConsistencySignature",
+    "Identity",
+    "InMemoryPKI",
     "KeyPair",
     "KeysBroadcast",
     "MaskExpander",
@@ -106,9 +119,12 @@ __all__ = [
     "ServerMessage",
     "SetupRequest",
     "ShareKeys",
+    "SigningIdentity",
     "Stage",
     "UnmaskRequest",
     "UnmaskShares",
+    "VerifiedPeer",
+    "Verifier",
     "check_threshold",
     "choose_degree",
     "decode_message",
