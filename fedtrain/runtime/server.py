@@ -29,6 +29,7 @@ from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.status import server_state
@@ -63,6 +64,7 @@ class AggregationServer:
     ) -> None:
         self.config = config
         self.insecure = insecure
+        verifier = None
         if not insecure:
             self._credentials = tls.server_credentials(*_server_tls_paths(config))
             if not config.allowed_sites:
@@ -71,6 +73,13 @@ class AggregationServer:
                     "there (a certificate from the federation CA alone is not enough); list "
                     "them in server.toml"
                 )
+            verifier = CertificateVerifier.from_file(config.tls.require("server.toml")[0])
+        elif config.secagg.enabled and config.secagg.consistency_check:
+            log.warning(
+                "secure aggregation without TLS (--insecure): sites have no certificates to "
+                "sign with, so the consistency check (secagg.consistency_check) is off and a "
+                "server that lied about dropouts could unmask a site's update"
+            )
         self.task = task or load_task(config.task, config.task_options)
         self.run_dir = RunDir(config.run_dir)
         if not resume:
@@ -97,6 +106,7 @@ class AggregationServer:
             self.audit,
             resume=resume,
             on_round=self._observe_round,
+            secagg_verifier=verifier,
         )
         self.servicer = FedtrainServicer(
             config,

@@ -58,6 +58,7 @@ __all__ = [
     "peer_site_name",
     "server_credentials",
     "validate_site_name",
+    "verify_site_certificate",
 ]
 
 log = logging.getLogger(__name__)
@@ -714,6 +715,47 @@ def _pick_site_name(common_name: str | None, dns: Sequence[str]) -> str | None:
         return common_name if not dns or common_name in dns else None
     valid = [n for n in dns if SITE_NAME_RE.fullmatch(n)]
     return valid[0] if len(valid) == 1 and len(dns) == 1 else None
+
+
+def verify_site_certificate(
+    cert: x509.Certificate, ca: x509.Certificate, now: dt.datetime | None = None
+) -> str:
+    """The site name in ``cert``, once it verifies as a site certificate of ``ca``.
+
+    For a certificate that reaches a site through the server (the credentials of
+    secure aggregation) rather than through a TLS handshake: the same checks the
+    handshake and :func:`peer_site_name` make (issued and signed by the federation CA,
+    not a CA, within its validity window, clientAuth, one valid site name).
+    """
+    now = now or _now()
+    subject = cert.subject.rfc4514_string()
+    if cert.issuer != ca.subject:
+        raise CertificateError(
+            f"certificate '{subject}' was issued by '{cert.issuer.rfc4514_string()}', not by "
+            f"the federation CA '{ca.subject.rfc4514_string()}'"
+        )
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError) as exc:
+        raise CertificateError(
+            f"certificate '{subject}' is not signed by the federation CA's key"
+        ) from exc
+    if _is_ca(cert):
+        raise CertificateError(f"certificate '{subject}' is a CA certificate, not a site's")
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if not start <= now <= end:
+        raise CertificateError(
+            f"certificate '{subject}' is not valid now ({_fmt(now)}): valid from "
+            f"{_fmt(start)} to {_fmt(end)}"
+        )
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in _eku(cert):
+        raise CertificateError(
+            f"certificate '{subject}' is not a site certificate (no clientAuth usage)"
+        )
+    name = _pick_site_name(_common_name(cert), _san(cert)[0])
+    if name is None:
+        raise CertificateError(f"certificate '{subject}' names no valid site")
+    return name
 
 
 def peer_site_name(context: _HasAuthContext) -> str | None:
