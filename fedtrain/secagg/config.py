@@ -52,7 +52,8 @@ class SecAggConfig:
             ``dp_min_survivors`` sites.
         consistency_check: sites sign the survivor set before revealing any share
             (`fedtrain.secagg.consistency`), so a server that lies about who dropped
-            out learns nothing more than an honest one. Needs site identities.
+            out gets neither both secrets of a site nor the sum of fewer than ``t``
+            sites. Needs site identities.
     """
 
     clip: float = 1.0
