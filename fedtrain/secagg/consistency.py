@@ -111,16 +111,18 @@ def entry(advert: AdvertiseKeys) -> bytes:
     ).digest()
 
 
-def commitment(
-    params: RoundParams, alive: Sequence[int], owner: int, entries: Mapping[int, bytes]
-) -> bytes:
-    """What ``owner`` seals into its shares (R0): parameters, ``U1``, and ``R(owner)``'s keys.
+def view(params: RoundParams, alive: Sequence[int]) -> bytes:
+    """A digest of the round parameters and ``U1``, the part of a view all owners share."""
+    packed = struct.pack(f"<I{len(alive)}I", len(alive), *alive)
+    return hashlib.sha256(_DOMAIN + params.digest() + packed).digest()
+
+
+def commitment(round_view: bytes, owner: int, entries: Mapping[int, bytes]) -> bytes:
+    """What ``owner`` seals into its shares (R0): the :func:`view` and ``R(owner)``'s keys.
 
     ``entries`` maps each member of ``R(owner)`` to its :func:`entry`.
     """
-    h = hashlib.sha256(_DOMAIN)
-    h.update(params.digest())
-    h.update(struct.pack(f"<II{len(alive)}I", owner, len(alive), *alive))
+    h = hashlib.sha256(round_view + struct.pack("<I", owner))
     for site in sorted(entries):
         h.update(entries[site])
     return h.digest()
@@ -193,7 +195,8 @@ def check_reveal(
             )
         if advert.site not in known:
             extra[advert.site] = advert
-    alive = sorted(graph)
+    round_view = view(params, sorted(graph))
+    entries: dict[int, bytes] = {}  # site -> entry() of the advertisement used for it
     peers: dict[int, VerifiedPeer] = {s: peer for s, (_, peer) in known.items()}
     valid: dict[int, bool] = {site: True}  # my own statement is U3 itself
     for owner in sorted(held):
@@ -207,9 +210,9 @@ def check_reveal(
                     f"site {owner}; refusing to reveal"
                 )
             adverts[s] = advert
-        if commitment(params, alive, owner, {s: entry(a) for s, a in adverts.items()}) != (
-            commitments.get(owner)
-        ):
+            if s not in entries:
+                entries[s] = entry(advert)
+        if commitment(round_view, owner, {s: entries[s] for s in group}) != commitments.get(owner):
             raise SecAggError(
                 f"{where}: site {owner} sealed its shares for a different view of the round "
                 "(parameters, advertised sites or its share holders' keys) than the one the "

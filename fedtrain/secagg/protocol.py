@@ -370,7 +370,9 @@ class SecAggClient:
                 )
         self._alive = alive
         sealed = consistency.commitment(
-            params, alive, self.site, {s: consistency.entry(a) for s, (a, _) in self._known.items()}
+            consistency.view(params, alive),
+            self.site,
+            {s: consistency.entry(a) for s, (a, _) in self._known.items()},
         )
         self._seed = crypto.new_seed()
         holders = sorted(neighbours | {self.site})
