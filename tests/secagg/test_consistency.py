@@ -128,6 +128,22 @@ def _stories(r: Round, victim: int) -> dict[int, frozenset[int]]:
     return {w: frozenset(s) for w, s in stories.items()}
 
 
+def _request(
+    r: Round, site: int, u3: frozenset[int], signatures: dict[int, bytes]
+) -> UnmaskRequest:
+    """The unmask request a liar sends ``site`` for its story ``u3``: consistent with it,
+    with every signature and every advertisement the site lacks forwarded."""
+    held = r.held(site)
+    return UnmaskRequest(
+        ROUND,
+        site,
+        tuple(sorted(held & u3)),
+        tuple(sorted(held - u3)),
+        tuple(sorted(signatures.items())),
+        tuple(r.adverts[s] for s in sorted(r.adverts) if s not in held),
+    )
+
+
 def _recover(r: Round, victim: int, shares: list[UnmaskShares]) -> np.ndarray | None:
     """The victim's encoded input from its masked one, if the shares allow it."""
     seeds: dict[int, list[shamir.Share]] = {}
@@ -171,18 +187,8 @@ def _attack(r: Round, victim: int) -> tuple[np.ndarray | None, dict[int, str]]:
     for w, story in sorted(stories.items()):
         if w in refusals:
             continue
-        held = r.held(w)
-        # Forward everything: every signature, every advertisement.
-        request = UnmaskRequest(
-            ROUND,
-            w,
-            tuple(sorted(held & story)),
-            tuple(sorted(held - story)),
-            tuple(sorted(signatures.items())),
-            tuple(r.adverts[s] for s in sorted(r.adverts) if s not in r.graph[w] | {w}),
-        )
         try:
-            reply = r.clients[w].handle(request)
+            reply = r.clients[w].handle(_request(r, w, story, signatures))
         except SecAggError as exc:
             refusals[w] = str(exc)
             continue
@@ -235,16 +241,7 @@ def test_holders_split_between_two_survivor_sets_cannot_both_reveal() -> None:
         signatures[s] = reply.signature
     revealed = {"seed": 0, "key": 0}
     for s in holders:
-        u3 = set(without if s in told_dropped else everyone)
-        held = r.held(s)
-        request = UnmaskRequest(
-            ROUND,
-            s,
-            tuple(sorted(held & u3)),
-            tuple(sorted(held - u3)),
-            tuple(sorted(signatures.items())),
-            tuple(r.adverts[a] for a in sorted(r.adverts) if a not in r.graph[s] | {s}),
-        )
+        request = _request(r, s, frozenset(without if s in told_dropped else everyone), signatures)
         if s in told_dropped:
             # (It names the first owner short of signatures; the victim has 4 of 9.)
             with pytest.raises(
