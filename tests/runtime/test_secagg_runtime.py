@@ -460,8 +460,8 @@ def test_secure_server_refuses_sites_that_cannot_mask(tmp_path: Path, owned: lis
         FakeSite(server.port, "old", task_fingerprint(task))
 
 
-@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg"])
-def test_strategies_that_need_every_update_are_refused_with_secagg(name: str) -> None:
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg", "fedbuff"])
+def test_strategies_that_need_every_update_or_fold_alone_are_refused_with_secagg(name: str) -> None:
     raw = {"task": "t:T", "secagg": True, "strategy": {"name": name}}
     with pytest.raises(ConfigError, match=f"'{name}' cannot run with secure aggregation"):
         from_dict(ServerConfig, raw)

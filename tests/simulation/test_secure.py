@@ -104,7 +104,7 @@ def test_a_client_over_max_weight_is_rejected_not_the_round(make_config, caplog)
 
 
 def test_strategies_that_need_every_update_are_refused_with_the_reason(make_config):
-    for name in ("fedmedian", "fedtrimmedavg", "krum", "dpfedavg"):
+    for name in ("fedmedian", "fedtrimmedavg", "krum", "dpfedavg", "fedbuff"):
         with pytest.raises(ConfigError, match=rf"{name}' cannot run with secure aggregation"):
             make_config(secagg=True, strategy={"name": name, "min_fit_clients": 2})
     config = make_config(secagg=True)
