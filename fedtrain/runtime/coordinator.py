@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -339,6 +339,7 @@ class Coordinator:
                 layout=self.layout,
                 sessions=sessions,
                 audit=self.audit,
+                min_included=self._needed(len(plan)),
                 verifier=self.secagg_verifier,
             )
         for site, session in sessions.items():
@@ -380,19 +381,47 @@ class Coordinator:
             state.start()  # key agreement runs while the sites download and train
         return state
 
+    def _needed(self, selected: int) -> int:
+        """Updates a round of `selected` sites needs to count."""
+        return max(1, self.strategy.min_results(selected))
+
     def _finish(self, state: RoundState, summary: RoundSummary, started: float) -> bool:
-        """Finalize a successful attempt (model, checkpoint, metrics); False if it failed."""
-        needed = max(1, self.strategy.min_results(len(summary.selected)))
-        if summary.poisoned or len(summary.contributors) < needed:
+        """Finalize a successful attempt (model, checkpoint, metrics); False if it failed.
+
+        A secure attempt whose sum was unmasked is never retried, even if the sum turns
+        out unusable (a site can make the masked weight sum wrap to 0): a retry would
+        unmask a second sum over the same sites. Its round ends with the model unchanged.
+        """
+        usable = not summary.poisoned and len(summary.contributors) >= self._needed(
+            len(summary.selected)
+        )
+        spent = isinstance(state, SecureRoundState) and state.result is not None
+        if not (usable or spent):
             return False
         server_round = state.round
-        new_state = self.finalize(server_round, state.aggregate)
-        privacy = self.strategy.round_metrics()
-        if self.dp_accountant is not None:
-            privacy["epsilon"] = self.dp_accountant.step(self._sampling_rate)
-            privacy["delta"] = self.dp_accountant.delta
+        outcome: dict[str, Any]
+        if usable:
+            new_state = self.finalize(server_round, state.aggregate)
+            outcome = {
+                **self.strategy.aggregate_metrics(summary.results),
+                **self.strategy.round_metrics(),
+            }
+        else:
+            log.error(
+                "round %d: the unmasked sum cannot be used (%s); the round ends with the "
+                "global model unchanged",
+                server_round,
+                summary.poisoned,
+            )
+            outcome = {"aggregated": False, "error": summary.poisoned}
+        if self.dp_accountant is not None:  # an unmasked sum spent privacy, used or not
+            outcome["epsilon"] = self.dp_accountant.step(self._sampling_rate)
+            outcome["delta"] = self.dp_accountant.delta
         self.current = None  # releases the accumulator once in-flight handlers let go
-        model = self.publish(server_round, new_state)
+        if usable:
+            model = self.publish(server_round, new_state)
+        else:
+            model = self.global_model = replace(self.global_model, round=server_round)
         self.checkpoint(model)
         record: dict[str, Any] = {
             "round": server_round,
@@ -402,8 +431,7 @@ class Coordinator:
             "dropped": summary.dropped,
             "failed": summary.failed,
             **self.transfer_metrics(),
-            **self.strategy.aggregate_metrics(summary.results),
-            **privacy,  # e.g. DP's epsilon, as in a simulation
+            **outcome,  # e.g. DP's epsilon, as in a simulation
         }
         if summary.dropped or summary.failed:
             log.warning(
@@ -488,7 +516,7 @@ class Coordinator:
             self.on_round(record)
 
     def _retry(self, summary: RoundSummary) -> None:
-        needed = max(1, self.strategy.min_results(len(summary.selected)))
+        needed = self._needed(len(summary.selected))
         why = summary.poisoned or (
             f"{len(summary.contributors)} of {len(summary.selected)} update(s) arrived, "
             f"{needed} needed (dropped: {summary.dropped or 'none'}, failed: "

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -125,14 +126,13 @@ class SiteDaemon:
         self.name = site_name(config, insecure=insecure)
         #: This site's secure-aggregation rounds; with TLS, its keys are bound to its
         #: certificate (`fedtrain.runtime.secagg_identity`).
-        self.secagg = SiteSecAgg(config.seed)
+        self.secagg = SiteSecAgg()
         if insecure:
             log.warning("connecting WITHOUT TLS (--insecure): use this only for local tests")
         else:
             ca, cert, key = config.tls.require("site.toml")
             self._credentials = tls.channel_credentials(cert, key, ca)
             self.secagg = SiteSecAgg(
-                config.seed,
                 identity=secagg_identity.load_identity(cert, key),
                 verifier=secagg_identity.CertificateVerifier.from_file(ca),
                 require_consistency_check=config.require_consistency_check,
@@ -434,13 +434,14 @@ class SiteDaemon:
         """One round's local training: (trained state, result), in this process or on
         the worker group. The state may be views of the live weights (no copy on the
         CPU); the delta is computed chunk by chunk from it while it streams out."""
+        seed = fresh_training_seed()
         if self.group is not None:
             return self.group.train_round(
-                global_state, config, timeout_s=train_timeout_s(deadline_unix)
+                global_state, config, timeout_s=train_timeout_s(deadline_unix), seed=seed
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
-        result = self.task.train(self.model, self.data, config, self.context)
+        result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
         return ModelState(self.model.state_dict()), result
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
@@ -492,6 +493,17 @@ class SiteDaemon:
             yield from chunks
 
         return upload(items())
+
+
+def fresh_training_seed() -> int:
+    """A new seed for every training job, from the OS's CSPRNG.
+
+    A server that retries a round (or resumes after a crash) asks the same sites to
+    train from the same model again. With a fixed seed they would send bit-identical
+    updates, so two secure sums over different subsets of them differ by exactly one
+    site's update: fresh randomness makes every re-run a different update.
+    """
+    return secrets.randbits(63)
 
 
 def _plain_header(link: Link, instruction: pb.Instruction, result: TrainResult) -> pb.UploadHeader:

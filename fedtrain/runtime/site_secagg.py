@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -97,13 +98,11 @@ class SiteSecAgg:
 
     def __init__(
         self,
-        seed: int = 0,
         *,
         identity: Identity | None = None,
         verifier: Verifier | None = None,
         require_consistency_check: bool = False,
     ) -> None:
-        self._seed = seed
         self._identity = identity
         self._verifier = verifier
         self._require_check = require_consistency_check
@@ -127,8 +126,10 @@ class SiteSecAgg:
                 if isinstance(msg, SetupRequest):
                     if current.client is not None:
                         raise SecAggError(f"round {server_round}: a second SetupRequest")
-                    # Rounding draws are no secret (the result is masked); seeded per attempt.
-                    rng = np.random.default_rng([self._seed, msg.params.round_id])
+                    # Stochastic rounding must be independent across sites (and attempts)
+                    # for its errors to average out: seeded from the OS's CSPRNG, never
+                    # from the site's configured seed, which sites often share.
+                    rng = np.random.default_rng(secrets.randbits(128))
                     current.dp = DistributedDP.from_params(msg.params)
                     noise = current.dp.add_noise if current.dp is not None else None
                     current.client = SecAggClient(

@@ -27,7 +27,8 @@ unmask request, as without the check):
   signs once; the statement holds its own advertised keys, so a restarted instance's
   signature is another instance's), and only if ``h`` is in it, it lies within ``U1``,
   every neighbour of ``h`` in it shared keys with ``h``, it has at least ``t`` sites,
-  at least the distributed-DP minimum, and it is connected in the graph (else each
+  at least the distributed-DP minimum and the round's ``min_included``, and it is
+  connected in the graph (else each
   component's sum would be unmasked on its own: see ``graph.components``).
 * **R2, the request follows the statement.** The unmask request asks for exactly the
   seed shares of ``held(h) ∩ U3_h`` and the mask-key shares of ``held(h) - U3_h``;
@@ -149,12 +150,12 @@ def check_survivor_set(
             f"{where}: the survivor set includes my neighbours {missing}, whose shares never "
             "reached me (so our pair masks cannot cancel); refusing to sign it"
         )
-    floor = max(params.t, params.dp_min_survivors)
+    floor = max(params.t, params.dp_min_survivors, params.min_included)
     if len(survivors) < floor:
         raise SecAggError(
             f"{where}: the survivor set has {len(survivors)} sites, fewer than "
-            f"{floor} (t={params.t}, distributed-DP minimum {params.dp_min_survivors}); "
-            "refusing to help unmask so small a sum"
+            f"{floor} (t={params.t}, distributed-DP minimum {params.dp_min_survivors}, the "
+            f"round's minimum {params.min_included}); refusing to help unmask so small a sum"
         )
     parts = components(survivors, graph)
     if len(parts) > 1:

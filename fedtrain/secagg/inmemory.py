@@ -47,6 +47,7 @@ def run_in_memory(
     chunk_elements: int | None = None,
     broken_uploads: Iterable[int] = (),
     noise: EncodedNoise | None = None,
+    min_included: int = 0,
     pki: InMemoryPKI | None = None,
 ) -> SecAggResult:
     """Run one round over ``vectors`` (site id -> update; a sequence means ids 1..n).
@@ -61,6 +62,8 @@ def run_in_memory(
         chunk_elements: stream masked vectors to the server in chunks of this size.
         broken_uploads: sites whose masked-vector stream stops halfway (dropouts).
         noise: every site's privacy noise on its encoded update (distributed DP).
+        min_included: the fewest masked inputs the server may unmask (the driver's
+            acceptance minimum); fewer and the round fails with its sum still masked.
         pki: the sites' identities (each enrolled as ``site-<id>``); a fresh one when the
             config asks for the consistency check and none is given.
 
@@ -89,7 +92,9 @@ def run_in_memory(
 
     if pki is None and config.consistency_check:
         pki = InMemoryPKI()
-    server = SecAggServer.from_config(config, round_id, xs, lengths.pop(), graph_seed, verifier=pki)
+    server = SecAggServer.from_config(
+        config, round_id, xs, lengths.pop(), graph_seed, min_included, verifier=pki
+    )
     clients = {}
     for (site, x), site_rng in zip(sorted(xs.items()), site_rngs, strict=True):
         client = SecAggClient(
