@@ -37,7 +37,11 @@ unmask request, as without the check):
   advertisements ``h`` uses for ``R(o)`` (its own and its neighbours', checked when
   they came; the others forwarded by the server) reproduce the commitment ``o``
   sealed into its shares for ``h``; their certified names are distinct; and at least
-  ``t`` members of ``R(o)`` signed ``U3_h`` itself (``h`` counts).
+  ``t`` members of ``R(o)`` signed ``U3_h`` itself (``h`` counts). A neighbour of ``h``
+  may vouch by a MAC under the key only it and ``h`` derived from their checked
+  share-encryption keys (`crypto.attestation_key`) instead of its Ed25519 signature:
+  to ``h`` that is as good (nobody else can make it) and costs a hash, not a
+  signature check. Its MACs and its signature are over the same one statement.
 
 **Theorem 1 (never both secrets).** Let ``o`` be honest and the server collude with no
 site in ``R(o)``. No two honest holders ``h1, h2`` of ``o`` reveal different kinds of
@@ -87,6 +91,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 
 from fedtrain.errors import SecAggError
+from fedtrain.secagg import crypto
 from fedtrain.secagg.graph import components
 from fedtrain.secagg.identity import VerifiedPeer, Verifier, survivors_statement
 from fedtrain.secagg.messages import AdvertiseKeys, RoundParams
@@ -177,6 +182,7 @@ def check_reveal(
     known: Mapping[int, tuple[AdvertiseKeys, VerifiedPeer]],
     forwarded: Sequence[AdvertiseKeys],
     signatures: Mapping[int, bytes],
+    attestations: Mapping[int, tuple[bytes, bytes]],
     verifier: Verifier,
 ) -> None:
     """R3 for every owner in ``held``; raises SecAggError naming the owner and the fault.
@@ -184,8 +190,10 @@ def check_reveal(
     ``known``: this site's and its neighbours' advertisements, verified when they came.
     ``forwarded``: the others the server sent with the request. Their signatures are
     not checked again: the owner's commitment pins them to the ones the owner checked
-    (and if the owner is dishonest, its secrets are not ours to protect). Signatures are
-    verified lazily, neighbours first, each at most once, until ``t`` per owner.
+    (and if the owner is dishonest, its secrets are not ours to protect).
+    ``attestations``: neighbour -> (the key we share, its MAC of its statement), checked
+    before its signature. Attestations are checked lazily, neighbours first, each at
+    most once, until ``t`` per owner.
     """
     where = f"site {site}, round {params.round_id}"
     extra: dict[int, AdvertiseKeys] = {}
@@ -236,7 +244,9 @@ def check_reveal(
                 statement = survivors_statement(
                     params.round_id, s, a.enc_key, a.mask_key, survivors
                 )
-                valid[s] = peers[s].signed(signatures.get(s, b""), statement)
+                key, mac = attestations.get(s, (b"", b""))
+                by_mac = bool(key) and crypto.attested(key, statement, mac)
+                valid[s] = by_mac or peers[s].signed(signatures.get(s, b""), statement)
             count += valid[s]
             if count >= params.t:
                 break

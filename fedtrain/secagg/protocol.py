@@ -205,6 +205,8 @@ class SecAggClient:
         self._known: dict[int, tuple[AdvertiseKeys, VerifiedPeer | None]] = {}
         # neighbour -> AES-GCM key of the shares between us (one key both ways)
         self._pair_keys: dict[int, bytes] = {}
+        # neighbour -> HMAC key of our attestations to each other (consistency check)
+        self._attest_keys: dict[int, bytes] = {}
         # owner -> (seed share, mask-key share) that this site holds (itself included)
         self._held: dict[int, tuple[shamir.Share, shamir.Share]] = {}
         # owner -> the commitment it sealed into its shares (consistency R0)
@@ -252,6 +254,7 @@ class SecAggClient:
         self._enc = None
         self._mask = None
         self._pair_keys.clear()
+        self._attest_keys.clear()
         self._held.clear()
 
     def _expect(self, stage: Stage, msg: ServerMessage, round_id: int, site: int) -> RoundParams:
@@ -393,10 +396,11 @@ class SecAggClient:
                 + seed_shares[v].to_bytes()
                 + key_shares[v].to_bytes()
             )
-            key = crypto.share_key(
-                self._enc.exchange(keys[v].enc_key), params.round_id, self.site, v
-            )
+            shared = self._enc.exchange(keys[v].enc_key)
+            key = crypto.share_key(shared, params.round_id, self.site, v)
             self._pair_keys[v] = key
+            if params.consistency_check:
+                self._attest_keys[v] = crypto.attestation_key(shared, params.round_id, self.site, v)
             out.append((v, crypto.encrypt_shares(key, plaintext, params.round_id, self.site, v)))
         self._enc = None  # its only use, the share keys, is done
         self._stage = Stage.MASKED_INPUT
@@ -488,7 +492,12 @@ class SecAggClient:
         )
         self._signed = tuple(msg.survivors)
         self._stage = Stage.UNMASK
-        return ConsistencySignature(params.round_id, self.site, self._identity.sign(statement))
+        macs = tuple(
+            (v, crypto.attest(key, statement)) for v, key in sorted(self._attest_keys.items())
+        )
+        return ConsistencySignature(
+            params.round_id, self.site, self._identity.sign(statement), macs
+        )
 
     # -- stage 4 -------------------------------------------------------------------
     def _unmask(self, msg: UnmaskRequest) -> UnmaskShares:
@@ -519,6 +528,7 @@ class SecAggClient:
         seed_shares = tuple((o, self._held[o][0].to_bytes()) for o in sorted(survivors))
         key_shares = tuple((o, self._held[o][1].to_bytes()) for o in sorted(dropped))
         self._held.clear()
+        self._attest_keys.clear()
         self._stage = Stage.DONE
         return UnmaskShares(params.round_id, self.site, seed_shares, key_shares)
 
@@ -547,6 +557,9 @@ class SecAggClient:
             known=known,
             forwarded=msg.keys,
             signatures=dict(msg.signatures),
+            attestations={
+                s: (self._attest_keys[s], mac) for s, mac in msg.macs if s in self._attest_keys
+            },
             verifier=self._verifier,
         )
 
@@ -587,6 +600,7 @@ class SecAggServer:
         self._journal: dict[int, list[np.ndarray]] = {}
         self._u3: set[int] = set()
         self._signatures: dict[int, bytes] = {}  # stage 3: site -> its signature of U3
+        self._macs: dict[int, dict[int, bytes]] = {}  # stage 3: site -> neighbour -> MAC
         self._revealers: frozenset[int] = frozenset()  # asked to reveal in stage 4
         self._requests: dict[int, UnmaskRequest] = {}
         self._seed_shares: dict[int, list[shamir.Share]] = {}
@@ -898,6 +912,7 @@ class SecAggServer:
         for u in sorted(revealers):
             signatures: tuple[tuple[int, bytes], ...] = ()
             keys: tuple[AdvertiseKeys, ...] = ()
+            macs: tuple[tuple[int, bytes], ...] = ()
             if p.consistency_check:
                 # Every holder of every owner u holds shares of: u checks t signatures each.
                 wanted = set().union(
@@ -907,6 +922,11 @@ class SecAggServer:
                     (s, self._signatures[s]) for s in sorted(wanted & set(self._signatures))
                 )
                 keys = tuple(self._keys[s] for s in sorted(wanted - self._graph[u] - {u}))
+                macs = tuple(
+                    (s, self._macs[s][u])
+                    for s in sorted(self._graph[u] & set(self._macs))
+                    if u in self._macs[s]
+                )
             self._requests[u] = UnmaskRequest(
                 p.round_id,
                 u,
@@ -914,6 +934,7 @@ class SecAggServer:
                 tuple(sorted(self._graph[u] & dropped)),
                 signatures,
                 keys,
+                macs,
             )
         return dict(self._requests)
 
@@ -922,6 +943,12 @@ class SecAggServer:
         self._check(msg, Stage.CONSISTENCY, self._u3)
         if msg.site in self._signatures:
             raise SecAggError(f"site {msg.site} signed the survivor set twice")
+        macs = dict(msg.macs)
+        if len(macs) != len(msg.macs) or not set(macs) <= self._graph[msg.site]:
+            raise SecAggError(
+                f"site {msg.site} attested the survivor set to {sorted(macs)}, which are not "
+                f"distinct neighbours of it"
+            )
         peer = self._peers.get(msg.site)
         if peer is not None:
             advert = self._keys[msg.site]
@@ -934,6 +961,7 @@ class SecAggServer:
                     "not verify"
                 )
         self._signatures[msg.site] = msg.signature
+        self._macs[msg.site] = macs
 
     def _close_consistency(self) -> dict[int, UnmaskRequest]:
         """Ask the signers to reveal, if every owner still has t signers among its holders."""

@@ -297,14 +297,28 @@ def test_forwarded_keys_must_match_what_the_owner_sealed_into_its_shares() -> No
         r.clients[site].handle(dataclasses.replace(req, keys=req.keys[1:]))
 
 
-def test_signatures_on_another_set_or_by_another_key_do_not_count() -> None:
+def test_neighbours_attest_by_mac_and_others_by_signature() -> None:
     r, requests = _signed_round()
-    site = r.sites[4]
-    req = requests[site]
-    mine = dict(req.signatures)[site]
-    forged = tuple((s, mine) for s, _ in req.signatures)  # my signature, claimed by all
-    with pytest.raises(SecAggError, match="fewer than t=5"):
-        r.clients[site].handle(dataclasses.replace(req, signatures=forged))
+
+    def forged(site: int) -> tuple[tuple[int, bytes], ...]:  # its own signature, for all
+        mine = dict(requests[site].signatures)[site]
+        return tuple((s, mine) for s, _ in requests[site].signatures)
+
+    def wrong(site: int) -> tuple[tuple[int, bytes], ...]:
+        return tuple((s, bytes(32)) for s, _ in requests[site].macs)
+
+    a, b, c, d, e = r.sites[4:9]
+    assert {s for s, _ in requests[a].macs} == r.graph[a]  # every neighbour signed U3
+    for site, bad in (
+        (a, {"signatures": forged(a), "macs": ()}),
+        (b, {"signatures": forged(b), "macs": wrong(b)}),
+        (c, {"signatures": (), "macs": wrong(c)}),
+    ):
+        with pytest.raises(SecAggError, match="fewer than t=5"):
+            r.clients[site].handle(dataclasses.replace(requests[site], **bad))
+    # MACs alone, or signatures alone, are enough.
+    assert r.clients[d].handle(dataclasses.replace(requests[d], signatures=()))
+    assert r.clients[e].handle(dataclasses.replace(requests[e], macs=()))
 
 
 @pytest.mark.parametrize(

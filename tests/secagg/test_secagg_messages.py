@@ -56,9 +56,16 @@ MESSAGES = [
     MaskedInput(5, 7, np.zeros(0, dtype=np.uint32)),
     ConsistencyRequest(5, 7, (1, 2, 7)),
     ConsistencySignature(5, 7, b"s" * 64),
+    ConsistencySignature(5, 7, b"s" * 64, ((1, b"m" * 32), (2, b"n" * 32))),
     UnmaskRequest(5, 7, (1, 7), (2,)),
     UnmaskRequest(
-        5, 7, (1, 7), (2,), ((1, b"s" * 64), (7, b"t" * 64)), (AdvertiseKeys(5, 9, b"a", b"b"),)
+        5,
+        7,
+        (1, 7),
+        (2,),
+        ((1, b"s" * 64), (7, b"t" * 64)),
+        (AdvertiseKeys(5, 9, b"a", b"b"),),
+        ((1, b"m" * 32),),
     ),
     UnmaskShares(5, 7, ((1, b"s1"), (7, b"s7")), ((2, b"k2"),)),
 ]
