@@ -25,7 +25,7 @@ import torch
 from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
-from fedtrain.errors import ConfigError
+from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.privacy.distributed import DistributedDP
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import read_audit
@@ -559,6 +559,38 @@ def test_over_mtls_sites_sign_the_survivor_set_before_unmasking(
         if r["event"] == "secagg_stage"
     ]
     assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
+
+
+def test_over_mtls_a_site_lost_before_signing_stays_in_the_sum(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Site c fails just as it is asked to sign the survivor set: its masked input is in,
+    so the others (2 of 3 holders, t = 2) remove its masks and the round completes."""
+    sign = SecAggClient._consistency
+
+    def flaky(self: SecAggClient, msg: ConsistencyRequest) -> Any:
+        if self.site == 3:
+            raise SecAggError("site 3: lost before signing (test)")
+        return sign(self, msg)
+
+    monkeypatch.setattr(SecAggClient, "_consistency", flaky)
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
+    assert missing == {
+        "SETUP": [],
+        "SHARE_KEYS": [],
+        "MASKED_INPUT": [],
+        "CONSISTENCY": ["c"],
+        "UNMASK": [],
+    }
+    bound = result.quantizer.mean_error_bound(3, result.total_weight)
+    mean = _expected_mean(spy["inputs"], SECAGG["clip"])
+    assert np.abs(result.weighted_mean() - mean).max() <= bound
 
 
 def test_over_mtls_a_site_told_another_survivor_set_refuses_to_unmask(

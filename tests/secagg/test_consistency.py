@@ -339,6 +339,16 @@ def test_a_site_signs_only_a_survivor_set_it_can_stand_behind(change, match) -> 
         r.clients[site].handle(ConsistencyRequest(ROUND, site, change(site, u3)))
 
 
+def test_a_site_signs_one_survivor_set_per_round() -> None:
+    r = Round(check=True)
+    r.to_masked_input()
+    site = r.sites[5]
+    r.clients[site].handle(ConsistencyRequest(ROUND, site, tuple(r.sites)))
+    others = tuple(s for s in r.sites if s != r.sites[0])
+    with pytest.raises(SecAggError, match="got ConsistencyRequest in stage UNMASK"):
+        r.clients[site].handle(ConsistencyRequest(ROUND, site, others))
+
+
 def test_a_survivor_set_in_two_pieces_is_not_signed() -> None:
     r = Round(check=True)
     r.to_masked_input()
