@@ -69,6 +69,18 @@ def test_the_service_unit_and_the_container_restart_by_the_run_dirs_own_rule() -
 
 
 # -- crashes around the checkpoint ---------------------------------------------------------------
+def _deployment(tmp_path: Path, rounds: int, strategy: dict) -> Deployment:
+    """Insecure TinyTask runs: what is tested here is the run directory, not TLS."""
+    return Deployment(
+        tmp_path,
+        "runtime_support:TinyTask",
+        secure=False,
+        rounds=rounds,
+        strategy=strategy,
+        client=CLIENT,
+    )
+
+
 def _checkpointed(run_dir: Path) -> int:
     try:
         return int(load_tensor_file(run_dir / "checkpoint.ft")["round"])
@@ -122,8 +134,9 @@ def _assert_every_round_recorded_once(dep: Deployment, rounds: int) -> None:
     completed = {r["round"] for r in dep.audit("round_completed")}
     assert completed == set(range(1, rounds + 1))
     assert _checkpointed(dep.run_dir) == rounds and (dep.run_dir / "model.pt").exists()
+    # A server killed before the first checkpoint starts the run anew (a new id).
     started, resumed = dep.audit("run_started"), dep.audit("run_resumed")
-    assert len(started) == 1 and {r["run_id"] for r in resumed} == {started[0]["run_id"]}
+    assert {r["run_id"] for r in resumed} == {started[-1]["run_id"]}
 
 
 def test_a_run_killed_between_checkpoint_and_metrics_line_records_every_round_once(
@@ -132,9 +145,7 @@ def test_a_run_killed_between_checkpoint_and_metrics_line_records_every_round_on
     """The issue's drill: killed after round 1's checkpoint reached the disk but before
     its metrics line; then after round 2's line but before its audit record; restarted
     each time as the unit does (the first restart from a legacy checkpoint.pt)."""
-    with Deployment(
-        tmp_path, "runtime_support:TinyTask", secure=False, rounds=3, strategy=ROUNDS, client=CLIENT
-    ) as dep:
+    with _deployment(tmp_path, 3, ROUNDS) as dep:
         kills = [("checkpoint_submitted", 1), ("metrics_logged", 2)]
         last = _run_with_crashes(dep, kills, legacy_after=0)
         metrics = (dep.run_dir / "metrics.jsonl").read_bytes()
@@ -144,7 +155,7 @@ def test_a_run_killed_between_checkpoint_and_metrics_line_records_every_round_on
         codes = dep.close()
     assert codes["a"] == codes["b"] == 0
     _assert_every_round_recorded_once(dep, 3)
-    assert "no checkpoint in" not in dep.log("server-0")  # a fresh start, nothing dropped
+    assert len(dep.audit("run_started")) == 1  # a fresh start, nothing dropped
     assert "loaded unverified" in dep.log("server-1") and "resuming run" in dep.log("server-1")
     assert "round 1's metrics line was lost in the crash" in dep.log("server-1")
     recovered = [r["round"] for r in dep.audit("round_completed") if r.get("recovered")]
@@ -158,14 +169,7 @@ def test_a_run_killed_between_checkpoint_and_metrics_line_records_every_round_on
 def test_a_fedbuff_run_killed_after_a_versions_checkpoint_records_every_version_once(
     tmp_path: Path,
 ) -> None:
-    with Deployment(
-        tmp_path,
-        "runtime_support:TinyTask",
-        secure=False,
-        rounds=3,
-        strategy=FEDBUFF,
-        client=CLIENT,
-    ) as dep:
+    with _deployment(tmp_path, 3, FEDBUFF) as dep:
         _run_with_crashes(dep, [("checkpoint_submitted", 2)])
         dep.close()
     _assert_every_round_recorded_once(dep, 3)
@@ -179,14 +183,7 @@ def test_kills_at_every_point_of_a_rounds_end_record_every_round_once(
 ) -> None:
     """One kill at each fault point, one round after the other."""
     rounds = len(faults.POINTS) + 1
-    with Deployment(
-        tmp_path,
-        "runtime_support:TinyTask",
-        secure=False,
-        rounds=rounds,
-        strategy=strategy,
-        client=CLIENT,
-    ) as dep:
+    with _deployment(tmp_path, rounds, strategy) as dep:
         kills = [(point, number + 1) for number, point in enumerate(faults.POINTS)]
         _run_with_crashes(dep, kills)
         dep.close()
@@ -197,14 +194,7 @@ def test_kills_at_every_point_of_a_rounds_end_record_every_round_once(
 def test_resume_refuses_a_checkpoint_with_flipped_bytes_and_says_which_tensor(
     tmp_path: Path,
 ) -> None:
-    with Deployment(
-        tmp_path,
-        "runtime_support:TinyTask",
-        secure=False,
-        rounds=1,
-        strategy={"min_fit_clients": 1, "min_available_clients": 1},
-        client=CLIENT,
-    ) as dep:
+    with _deployment(tmp_path, 1, {"min_fit_clients": 1, "min_available_clients": 1}) as dep:
         dep.start_server()
         dep.start_site("a")
         assert dep.wait_server(60) == 0, dep.log("server")
