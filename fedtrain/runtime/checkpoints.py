@@ -110,7 +110,8 @@ def settle_run_record(
     summary = extra.get("round_audit")
     version = extra.get("model_version")
     if summary is not None and not any(
-        r.get("event") == "round_completed" and r.get("model_version") == version
+        r.get("event") == "round_completed"
+        and (r.get("round"), r.get("model_version")) == (server_round, version)
         for r in read_audit(audit.path)
     ):
         audit.record(
