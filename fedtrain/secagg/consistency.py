@@ -28,8 +28,8 @@ unmask request, as without the check):
   signature is another instance's), and only if ``h`` is in it, it lies within ``U1``,
   every neighbour of ``h`` in it shared keys with ``h``, it has at least ``t`` sites,
   at least the distributed-DP minimum and the round's ``min_included``, and it is
-  connected in the graph (else each
-  component's sum would be unmasked on its own: see ``graph.components``).
+  connected in the graph (else each component's sum would be unmasked on its own: see
+  ``graph.components``).
 * **R2, the request follows the statement.** The unmask request asks for exactly the
   seed shares of ``held(h) ∩ U3_h`` and the mask-key shares of ``held(h) - U3_h``;
   at least ``t`` of ``held(h)`` survived.
