@@ -7,6 +7,7 @@ the same task, with the same fingerprint, in every process.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import queue
@@ -15,12 +16,15 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import psutil
 import torch
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -101,6 +105,48 @@ class Bf16Task(TinyTask):
 
     def model(self) -> nn.Module:
         return Bf16Net()
+
+
+# -- certificates ---------------------------------------------------------------------------------
+@dataclass
+class Pki:
+    """A federation CA with a server certificate (127.0.0.1, localhost) and one site's."""
+
+    ca_dir: Path
+    server_dir: Path
+    site_dir: Path
+    server_cert: Path
+    server_key: Path
+    site_cert: Path
+    site_key: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.ca_dir / tls.CA_CERT
+
+
+def make_pki(root: Path, site: str = "hospital-a") -> Pki:
+    ca_dir = root / "ca"
+    tls.init_ca(ca_dir)
+    server_cert, server_key = tls.issue_server(ca_dir, root / "server", ["127.0.0.1", "localhost"])
+    site_cert, site_key = tls.issue_site(ca_dir, root / site, site)
+    return Pki(ca_dir, root / "server", root / site, server_cert, server_key, site_cert, site_key)
+
+
+def issue_site_window(
+    ca_dir: Path, out_dir: Path, name: str, not_before: dt.datetime, not_after: dt.datetime
+) -> tuple[Path, Path]:
+    """A site certificate with the given validity window (expired, not yet valid)."""
+    return tls._issue(
+        ca_dir,
+        out_dir,
+        stem=name,
+        common_name=name,
+        names=[x509.DNSName(name)],
+        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
+        not_before=not_before,
+        not_after=not_after,
+    )
 
 
 # -- the server in this process ------------------------------------------------------------------

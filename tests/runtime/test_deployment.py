@@ -66,7 +66,7 @@ def test_mtls_run_writes_metrics_audit_and_checkpoint(tmp_path: Path) -> None:
     (done,) = dep.audit("run_completed")
     assert done["model_sha256"] == load_state(dep.run_dir / "model.pt").digest()
     assert (dep.run_dir / "config.json").exists()
-    assert "mutual TLS" in dep.log("server")
+    assert "TLS, sites prove their certificates at join" in dep.log("server")
 
 
 def test_foreign_ca_and_unlisted_sites_are_refused(tmp_path: Path) -> None:
