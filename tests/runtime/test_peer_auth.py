@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import queue
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,9 +13,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from runtime_support import Pki, issue_site_window
+from runtime_support import Deployment, Pki, issue_site_window, wait_for
 
-from fedtrain.runtime import tls
+from fedtrain.runtime import rpc, tls, wire
 from fedtrain.runtime.peer_auth import (
     ClientIdentity,
     PeerRefused,
@@ -25,6 +26,7 @@ from fedtrain.runtime.peer_auth import (
     transcript,
 )
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.status import ServerUnreachable, fetch_status
 
 SERVER = "127.0.0.1"
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -200,3 +202,129 @@ def test_names_a_peer_chose_cannot_break_a_log_line(pki: Pki, tmp_path: Path) ->
 )
 def test_the_dialled_host_is_the_name_tls_verified(address: str, host: str) -> None:
     assert dialled_host(address) == host
+
+
+# --------------------------------------------------------------------------- a real server
+
+
+def _join_refusal(channel: grpc.Channel, who: ClientIdentity | None) -> str:
+    """Open Control like a site: answer the challenge (with `who`'s proof, if any) and
+    return the server's reason for refusing."""
+    requests: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+    control = channel.stream_stream(
+        rpc.method_path("Control"),
+        request_serializer=pb.SiteMessage.SerializeToString,
+        response_deserializer=pb.ServerMessage.FromString,
+    )
+    call = control(iter(requests.get, None), timeout=30)
+    try:
+        for message in call:
+            kind = message.WhichOneof("kind")
+            if kind == "challenge":
+                join = pb.Join(task_fingerprint="any", protocol_version=wire.PROTOCOL_VERSION)
+                if who is not None:
+                    join.proof.CopyFrom(who.proof("join", message.challenge.nonce, SERVER))
+                requests.put(pb.SiteMessage(join=join))
+            elif kind == "reject":
+                return message.reject.reason
+            else:
+                raise AssertionError(f"expected to be refused, got {kind}")
+    finally:
+        requests.put(None)
+        call.cancel()
+    raise AssertionError("the server ended the control stream without a reason")
+
+
+def _bulk_codes(channel: grpc.Channel) -> list[grpc.StatusCode]:
+    """What a download and an upload with a guessed session token get on `channel`."""
+    codes = []
+    download = channel.unary_stream(
+        rpc.method_path("DownloadModel"),
+        request_serializer=pb.ModelRequest.SerializeToString,
+        response_deserializer=pb.ModelPiece.FromString,
+    )
+    upload = channel.stream_unary(
+        rpc.method_path("UploadUpdate"),
+        request_serializer=pb.UpdateChunk.SerializeToString,
+        response_deserializer=pb.UploadReceipt.FromString,
+    )
+    header = pb.UpdateChunk(header=pb.UploadHeader(round=1, session_token="0" * 32))
+    for call in (
+        lambda: list(download(pb.ModelRequest(session_token="0" * 32), timeout=10)),
+        lambda: upload(iter([header]), timeout=10),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        codes.append(info.value.code())
+    return codes
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_foreign_ca_expired_and_missing_certificates_are_refused_and_audited(
+    tmp_path: Path,
+) -> None:
+    with Deployment(
+        tmp_path,
+        "runtime_support:TinyTask",
+        allowed_sites=["good"],
+        strategy={"min_fit_clients": 1, "min_available_clients": 1},
+        rounds=2,
+    ) as dep:
+        dep.start_server()
+        wait_for(lambda: "serving run" in dep.log("server"), 60, "the server to listen")
+        address, ca = f"127.0.0.1:{dep.port}", dep.ca_dir / tls.CA_CERT
+        tls.init_ca(tmp_path / "rogue-ca")  # the federation CA's name, another key
+        foreign = identity(*tls.issue_site(tmp_path / "rogue-ca", tmp_path / "f", "good"), ca)
+        window = (NOW - dt.timedelta(days=30), NOW - dt.timedelta(days=1))
+        expired = identity(*issue_site_window(dep.ca_dir, tmp_path / "old", "good", *window), ca)
+        anonymous = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+        cases = [
+            (foreign.credentials, foreign, "not signed by the federation CA"),
+            (expired.credentials, expired, "expired on"),
+            (expired.credentials, expired, "expired on"),  # a retry: counted, not written
+            (anonymous, None, "no site certificate was presented"),
+        ]
+        for credentials, who, words in cases:
+            with grpc.secure_channel(address, credentials) as channel:
+                reason = _join_refusal(channel, who)
+                assert words in reason
+                assert _bulk_codes(channel) == [
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                ]
+            if who is not None:
+                with pytest.raises(ServerUnreachable, match="refused to answer") as info:
+                    fetch_status(address, who, timeout_s=10)
+                assert words in str(info.value)
+        assert "fedtrain ca issue-site --ca-dir CA_DIR --name good" in _join_refusal(
+            grpc.secure_channel(address, expired.credentials), expired
+        )
+        dep.start_site("good")  # a valid allow-listed site still works
+        assert dep.wait_server(90) == 0, dep.log("server")
+        dep.close()
+
+    assert [r["round"] for r in dep.metrics()] == [1, 2]
+    assert {r["site"] for r in dep.audit("join")} == {"good"}
+    joins = dep.audit("join_refused")
+    by_cause = {
+        cause: [r for r in joins if r["cause"] == cause] for cause in {r["cause"] for r in joins}
+    }
+    assert set(by_cause) == {"foreign_ca", "expired", "no_certificate"}
+    assert sum(r["count"] for r in by_cause["expired"]) == 3
+    assert len(by_cause["expired"]) == 2  # the first, then one record counting the other two
+    for cause in ("foreign_ca", "expired"):
+        first = by_cause[cause][0]
+        assert first["peer"].startswith("ipv4:127.0.0.1:")
+        assert first["subject"] == "CN=good" and first["count"] == 1
+        assert first["issuer"] == "CN=fedtrain-federation-ca"  # the rogue CA copied the name
+        assert first["reason"] and first["cert_sha256"]
+    assert by_cause["foreign_ca"][0]["cert_sha256"] != by_cause["expired"][0]["cert_sha256"]
+    statuses = dep.audit("status_refused")
+    counts = {
+        c: sum(r["count"] for r in statuses if r["cause"] == c) for c in ("expired", "foreign_ca")
+    }
+    assert counts == {"expired": 2, "foreign_ca": 1}
+    requests = dep.audit("request_refused")
+    assert {r["cause"] for r in requests} == {"unknown_session", "no_session"}
+    assert all(r["peer"].startswith("ipv4:127.0.0.1:") for r in requests)
