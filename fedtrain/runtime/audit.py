@@ -169,9 +169,10 @@ class AuditLog:
             self._file.close()
 
 
-def read_audit(path: Path) -> list[dict[str, Any]]:
-    """Every record of an audit file (for tests and `fedtrain report`)."""
+def read_audit(path: Path, event: str | None = None) -> list[dict[str, Any]]:
+    """The records of an audit file, or only those of `event` (tests, `fedtrain report`)."""
     if not path.exists():
         return []
     with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if event is None or r["event"] == event]

@@ -154,8 +154,11 @@ def issue_site_window(
 CHUNK = 16
 
 
-def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> AggregationServer:
-    """A started insecure server for `task` on a free port, in this process (stop it)."""
+def inprocess_server(
+    tmp_path: Path, task: Task, sites: int = 1, *, pki: Pki | None = None, **extra: Any
+) -> AggregationServer:
+    """A started server for `task` on a free port, in this process (stop it); insecure
+    unless `pki` is given (then its server certificate, and `allowed_sites`)."""
     raw = {
         "task": "runtime_support:TinyTask",
         "address": "127.0.0.1:0",
@@ -171,7 +174,15 @@ def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -
         "min_available_clients": sites,
         **extra.get("strategy", {}),
     }
-    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
+    if pki is not None:
+        tls_files = {
+            "ca": str(pki.ca_cert),
+            "cert": str(pki.server_cert),
+            "key": str(pki.server_key),
+        }
+        raw["tls"] = {**tls_files, **extra.get("tls", {})}
+        raw.setdefault("allowed_sites", ["hospital-a"])
+    server = AggregationServer(from_dict(ServerConfig, raw), insecure=pki is None, task=task)
     server.start()
     return server
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import queue
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -13,9 +15,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from runtime_support import Deployment, Pki, issue_site_window, wait_for
+from runtime_support import (
+    Deployment,
+    Pki,
+    TinyTask,
+    inprocess_server,
+    issue_site_window,
+    wait_for,
+)
 
 from fedtrain.runtime import rpc, tls, wire
+from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.peer_auth import (
     ClientIdentity,
     PeerRefused,
@@ -27,6 +37,7 @@ from fedtrain.runtime.peer_auth import (
 )
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.status import ServerUnreachable, fetch_status
+from fedtrain.task import task_fingerprint
 
 SERVER = "127.0.0.1"
 NOW = dt.datetime.now(dt.timezone.utc)
@@ -207,9 +218,11 @@ def test_the_dialled_host_is_the_name_tls_verified(address: str, host: str) -> N
 # --------------------------------------------------------------------------- a real server
 
 
-def _join_refusal(channel: grpc.Channel, who: ClientIdentity | None) -> str:
-    """Open Control like a site: answer the challenge (with `who`'s proof, if any) and
-    return the server's reason for refusing."""
+def _control(
+    channel: grpc.Channel, who: ClientIdentity | None, fingerprint: str = "any"
+) -> tuple[pb.ServerMessage, grpc.Call, queue.SimpleQueue[pb.SiteMessage | None]]:
+    """Open Control like a site: answer the challenge (with `who`'s proof, if any);
+    the server's answer (Welcome or Reject), the call and its request queue."""
     requests: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
     control = channel.stream_stream(
         rpc.method_path("Control"),
@@ -217,22 +230,22 @@ def _join_refusal(channel: grpc.Channel, who: ClientIdentity | None) -> str:
         response_deserializer=pb.ServerMessage.FromString,
     )
     call = control(iter(requests.get, None), timeout=30)
-    try:
-        for message in call:
-            kind = message.WhichOneof("kind")
-            if kind == "challenge":
-                join = pb.Join(task_fingerprint="any", protocol_version=wire.PROTOCOL_VERSION)
-                if who is not None:
-                    join.proof.CopyFrom(who.proof("join", message.challenge.nonce, SERVER))
-                requests.put(pb.SiteMessage(join=join))
-            elif kind == "reject":
-                return message.reject.reason
-            else:
-                raise AssertionError(f"expected to be refused, got {kind}")
-    finally:
-        requests.put(None)
-        call.cancel()
-    raise AssertionError("the server ended the control stream without a reason")
+    challenge = next(call)
+    assert challenge.WhichOneof("kind") == "challenge"
+    join = pb.Join(task_fingerprint=fingerprint, protocol_version=wire.PROTOCOL_VERSION)
+    if who is not None:
+        join.proof.CopyFrom(who.proof("join", challenge.challenge.nonce, SERVER))
+    requests.put(pb.SiteMessage(join=join))
+    return next(call), call, requests
+
+
+def _join_refusal(channel: grpc.Channel, who: ClientIdentity | None) -> str:
+    """The server's reason for refusing `who` at join."""
+    answer, call, requests = _control(channel, who)
+    requests.put(None)
+    call.cancel()
+    assert answer.WhichOneof("kind") == "reject", f"expected to be refused, got {answer}"
+    return answer.reject.reason
 
 
 def _bulk_codes(channel: grpc.Channel) -> list[grpc.StatusCode]:
@@ -328,3 +341,80 @@ def test_foreign_ca_expired_and_missing_certificates_are_refused_and_audited(
     requests = dep.audit("request_refused")
     assert {r["cause"] for r in requests} == {"unknown_session", "no_session"}
     assert all(r["peer"].startswith("ipv4:127.0.0.1:") for r in requests)
+
+
+@pytest.mark.integration
+def test_with_verify_sites_in_handshake_a_site_needs_its_certificate_twice(
+    pki: Pki, tmp_path: Path, stop_after: list[Any]
+) -> None:
+    server = inprocess_server(
+        tmp_path, TinyTask(), pki=pki, tls={"verify_sites_in_handshake": True}
+    )
+    stop_after.append(server)
+    address = f"127.0.0.1:{server.port}"
+    site = client_identity(pki.site_cert, pki.site_key, pki.ca_cert)
+    assert fetch_status(address, site, timeout_s=10).run_id == server.coordinator.run_id
+    # Without a certificate BoringSSL refuses the handshake: nothing reaches fedtrain.
+    anonymous = dataclasses.replace(
+        site, credentials=grpc.ssl_channel_credentials(pki.ca_cert.read_bytes())
+    )
+    with pytest.raises(ServerUnreachable, match="UNAVAILABLE"):
+        fetch_status(address, anonymous, timeout_s=10)
+    records = read_audit(server.run_dir.path / "audit.jsonl")
+    assert not [r for r in records if r["event"].endswith("_refused")]  # the price of this mode
+
+
+@pytest.mark.integration
+def test_a_session_token_works_only_on_the_connection_that_proved_the_site(
+    pki: Pki, tmp_path: Path, stop_after: list[Any]
+) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, pki=pki)
+    stop_after.append(server)
+    address = f"127.0.0.1:{server.port}"
+    site = client_identity(pki.site_cert, pki.site_key, pki.ca_cert)
+    download = pb.ModelRequest(version=server.coordinator.global_model.version)
+    with grpc.secure_channel(address, site.credentials) as joined:
+        welcome, call, requests = _control(joined, site, task_fingerprint(task))
+        assert welcome.WhichOneof("kind") == "welcome"
+        download.session_token = welcome.welcome.session_token
+        method = rpc.method_path("DownloadModel")
+        read = joined.unary_stream(method, response_deserializer=pb.ModelPiece.FromString)
+        pieces = list(read(download.SerializeToString(), timeout=10))
+        assert pieces[0].WhichOneof("kind") == "manifest"
+        # The same site, even, on a second connection: the token alone is not enough.
+        with grpc.secure_channel(address, site.credentials) as other:
+            steal = other.unary_stream(method, response_deserializer=pb.ModelPiece.FromString)
+            with pytest.raises(grpc.RpcError) as info:
+                list(steal(download.SerializeToString(), timeout=10))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "another connection" in (info.value.details() or "")
+        requests.put(None)
+        call.cancel()
+    (refused,) = read_audit(server.run_dir.path / "audit.jsonl", "request_refused")
+    assert refused["cause"] == "other_connection" and refused["site"] == "hospital-a"
+
+
+@pytest.mark.integration
+def test_a_peer_that_never_answers_is_cut_off_and_audited(
+    pki: Pki, tmp_path: Path, stop_after: list[Any]
+) -> None:
+    server = inprocess_server(tmp_path, TinyTask(), pki=pki)
+    stop_after.append(server)
+    server.servicer.gate.timeout_s = 0.5
+    anonymous = grpc.ssl_channel_credentials(pki.ca_cert.read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{server.port}", anonymous) as channel:
+        control = channel.stream_stream(
+            rpc.method_path("Control"), response_deserializer=pb.ServerMessage.FromString
+        )
+        silent: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        call = control(iter(silent.get, None), timeout=30)
+        assert next(call).WhichOneof("kind") == "challenge"
+        with pytest.raises(grpc.RpcError) as info:
+            list(call)  # the server cancels the stream at the deadline
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        silent.put(None)
+    wait_for(lambda: len(server.servicer.gate) == 0, 10, "the gate to free the slot")
+    audit = server.run_dir.path / "audit.jsonl"
+    (refused,) = wait_for(lambda: read_audit(audit, "join_refused"), 10, "the refusal")
+    assert refused["cause"] == "timeout" and refused["peer"].startswith("ipv4:127.0.0.1:")
