@@ -493,8 +493,10 @@ def _issue(
     return cert_path, key_path
 
 
-def _window(days: int) -> tuple[dt.datetime, dt.datetime]:
+def _window(days: int, valid_from: dt.datetime | None = None) -> tuple[dt.datetime, dt.datetime]:
     _check_days(days)
+    if valid_from is not None:
+        return valid_from, valid_from + dt.timedelta(days=days)
     now = _now()
     return now - _CLOCK_SKEW, now + dt.timedelta(days=days)
 
@@ -524,11 +526,17 @@ def issue_server(
 
 
 def issue_site(
-    ca_dir: PathLike, out_dir: PathLike, site_name: str, days: int = 825
+    ca_dir: PathLike,
+    out_dir: PathLike,
+    site_name: str,
+    days: int = 825,
+    *,
+    valid_from: dt.datetime | None = None,
 ) -> tuple[Path, Path]:
-    """Issue ``<site>.crt``/``<site>.key`` (clientAuth, CN = SAN DNS = site name)."""
+    """Issue ``<site>.crt``/``<site>.key`` (clientAuth, CN = SAN DNS = site name), valid
+    for `days` from now (or from `valid_from`: drills with expired certificates)."""
     validate_site_name(site_name)
-    not_before, not_after = _window(days)
+    not_before, not_after = _window(days, valid_from)
     return _issue(
         ca_dir,
         out_dir,

@@ -23,8 +23,6 @@ from typing import Any
 import grpc
 import psutil
 import torch
-from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -136,17 +134,9 @@ def make_pki(root: Path, site: str = "hospital-a") -> Pki:
 def issue_site_window(
     ca_dir: Path, out_dir: Path, name: str, not_before: dt.datetime, not_after: dt.datetime
 ) -> tuple[Path, Path]:
-    """A site certificate with the given validity window (expired, not yet valid)."""
-    return tls._issue(
-        ca_dir,
-        out_dir,
-        stem=name,
-        common_name=name,
-        names=[x509.DNSName(name)],
-        usage=ExtendedKeyUsageOID.CLIENT_AUTH,
-        not_before=not_before,
-        not_after=not_after,
-    )
+    """A site certificate valid (whole days) from `not_before`: expired, not yet valid."""
+    days = (not_after - not_before).days
+    return tls.issue_site(ca_dir, out_dir, name, days, valid_from=not_before)
 
 
 # -- the server in this process ------------------------------------------------------------------
