@@ -32,13 +32,14 @@ peer proves its identity as the first thing on its stream:
 2. the peer answers with a :class:`~pb.Proof`: its certificate, the server name it
    verified the server's certificate for, and its certificate key's signature over
    :func:`transcript` (a label, the purpose, the nonce and that server name);
-3. the server checks the certificate with :func:`fedtrain.runtime.tls.verify_issued`
-   (the same checks, in the same words, as a site's own start-up check, each with a
-   one-word ``cause``), then with ``cryptography``'s RFC 5280 client verifier as the
-   final gate, then the signature, then the server name; the servicer then checks the
-   allow-list. Every refusal becomes an audit record (``join_refused`` /
-   ``status_refused``) with the peer address, the cause, the subject and the issuer,
-   and the peer gets a message that says what is wrong and what to do.
+3. the server checks the signature (the peer holds the key), then the certificate with
+   :func:`fedtrain.runtime.tls.verify_issued` (the same checks, in the same words, as a
+   site's own start-up check, each with a one-word ``cause``), then with
+   ``cryptography``'s RFC 5280 client verifier as the final gate, then the server name;
+   the servicer then checks the allow-list. Every refusal becomes an audit record
+   (``join_refused`` / ``status_refused``) with the peer address, the cause, the
+   subject and the issuer, and the peer gets a message that says what is wrong and
+   what to do.
 
 The nonce is fresh per stream and only the TLS peer of that connection sees it, so a
 proof cannot be replayed; the server name in the transcript stops a server that
@@ -46,13 +47,16 @@ shares the CA from relaying a site's proof to another server; the label and purp
 keep these signatures apart from any other use of the site's key. Bulk RPCs carry the
 session token of an authenticated control stream and must arrive on that stream's
 connection (the servicer checks both), so authentication happens once per session and
-costs the bulk path a dictionary lookup.
+costs the bulk path a lookup, nothing per chunk.
 
 What this gives up, and how it is bounded: a peer without a certificate now completes
 the TLS handshake and reaches gRPC's HTTP/2 stack and the admission code. It can hold
 a worker thread only until the join deadline, only a few at a time (per address and
 in all: ``fedtrain.runtime.admission``), and it reaches no bulk RPC (no session on
-its connection) and no status. Operators who prefer BoringSSL to refuse such peers
+its connection) and no status. While such peers fill the admission gate, a site's
+join is refused as ``busy`` and retried with its backoff: an anonymous peer can delay
+joins (never a joined site), which a handshake that demands certificates would not
+allow; a firewall that admits only the sites' addresses removes that too. Operators who prefer BoringSSL to refuse such peers
 before any byte reaches fedtrain set ``tls.verify_sites_in_handshake = true`` in
 server.toml: sites then need a valid certificate for the handshake *and* the proof,
 and handshake refusals are again only in gRPC's stderr line, not in audit.jsonl.
@@ -231,14 +235,20 @@ class PeerRefused(FedtrainError):
     the message says what is wrong and what to do (it is sent to the peer)."""
 
     def __init__(
-        self, message: str, *, cause: str, certificate: x509.Certificate | None = None
+        self,
+        message: str,
+        *,
+        cause: str,
+        certificate: x509.Certificate | None = None,
+        site: str | None = None,
     ) -> None:
         super().__init__(_printable(message, _MAX_MESSAGE_CHARS))  # it quotes the peer's names
         self.cause = cause
         self.subject = _printable(certificate.subject.rfc4514_string()) if certificate else None
         self.issuer = _printable(certificate.issuer.rfc4514_string()) if certificate else None
         self.fingerprint = certificate.fingerprint(hashes.SHA256()).hex() if certificate else None
-        self.site = tls.site_name_of(certificate) if certificate else None
+        #: The site the certificate names, once the federation CA is known to have signed it.
+        self.site = site
 
     def audit_fields(self) -> dict[str, Any]:
         fields = {"subject": self.subject, "issuer": self.issuer, "cert_sha256": self.fingerprint}
@@ -279,6 +289,16 @@ class PeerVerifier:
         cert = self._parse(proof.certificate)
         subject = _printable(cert.subject.rfc4514_string())
         where = f"the certificate '{subject}' this site presented"
+        # The key first: only then does the peer hold the certificate it shows.
+        server_name = _canonical_host(proof.server_name)
+        if not _verify(cert.public_key(), proof.signature, transcript(purpose, nonce, server_name)):
+            raise PeerRefused(
+                f"the signature over the server's challenge does not verify with the key of "
+                f"{where}: the site's private key does not belong to its certificate (use "
+                "the .key written together with the .crt), or the message was altered",
+                cause="key_mismatch",
+                certificate=cert,
+            )
         renew = _PEER_RENEW.format(name=tls.site_name_of(cert) or "SITE")
         try:
             tls.verify_issued(
@@ -298,22 +318,15 @@ class PeerVerifier:
             policy.verify(cert, [])
         except CertificateError as exc:
             cause = exc.cause or "bad_certificate"
-            raise PeerRefused(str(exc), cause=cause, certificate=cert) from None
+            # Past the CA's signature (an expired certificate, say) the name is the CA's word.
+            site = tls.site_name_of(cert) if cause != "foreign_ca" else None
+            raise PeerRefused(str(exc), cause=cause, certificate=cert, site=site) from None
         except VerificationError as exc:
             raise PeerRefused(
                 f"{where} fails RFC 5280 verification against the federation CA ({exc}); {renew}",
                 cause="bad_certificate",
                 certificate=cert,
             ) from None
-        server_name = _canonical_host(proof.server_name)
-        if not _verify(cert.public_key(), proof.signature, transcript(purpose, nonce, server_name)):
-            raise PeerRefused(
-                f"the signature over the server's challenge does not verify with the key of "
-                f"{where}: the site's private key does not belong to its certificate (use "
-                "the .key written together with the .crt), or the message was altered",
-                cause="key_mismatch",
-                certificate=cert,
-            )
         if server_name not in self.server_names:
             raise PeerRefused(
                 f"the site proved its identity for server {_printable(server_name)!r}, but this "
@@ -321,6 +334,7 @@ class PeerVerifier:
                 "those names, or set tls.server_name in site.toml to one of them",
                 cause="wrong_server",
                 certificate=cert,
+                site=tls.site_name_of(cert),
             )
         name = tls.site_name_of(cert)
         assert name is not None  # verify_issued refuses a site certificate without one

@@ -213,7 +213,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         if first is not None:
             return first, nonce, None
         if slot.expired:
-            timeout = f"no answer to the server's challenge within {self.gate.timeout_s:.0f}s"
+            timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
             return None, nonce, Refusal("timeout", timeout)
         return None, nonce, _NO_ANSWER
 

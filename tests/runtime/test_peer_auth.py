@@ -128,6 +128,9 @@ def test_a_bad_certificate_is_refused_with_its_cause_and_what_to_do(
     assert refused.subject == presented.subject.rfc4514_string()
     assert refused.issuer == presented.issuer.rfc4514_string()
     assert str(pki.ca_dir) not in str(refused)  # the server's paths are not the peer's business
+    # A name counts only once the federation CA's signature on it verified.
+    signed = cause in ("expired", "not_yet_valid")
+    assert refused.site == (tls.site_name_of(presented) if signed else None)
     if cause in ("expired", "not_yet_valid"):
         assert "fedtrain ca issue-site --ca-dir CA_DIR --name" in str(refused)
 
@@ -333,6 +336,8 @@ def test_foreign_ca_expired_and_missing_certificates_are_refused_and_audited(
         assert first["issuer"] == "CN=fedtrain-federation-ca"  # the rogue CA copied the name
         assert first["reason"] and first["cert_sha256"]
     assert by_cause["foreign_ca"][0]["cert_sha256"] != by_cause["expired"][0]["cert_sha256"]
+    # A foreign CA's "CN=good" is a claim; our CA's expired "CN=good" is site good.
+    assert by_cause["foreign_ca"][0]["site"] is None and by_cause["expired"][0]["site"] == "good"
     statuses = dep.audit("status_refused")
     counts = {
         c: sum(r["count"] for r in statuses if r["cause"] == c) for c in ("expired", "foreign_ca")
