@@ -56,10 +56,11 @@ in all: ``fedtrain.runtime.admission``), and it reaches no bulk RPC (no session 
 its connection) and no status. While such peers fill the admission gate, a site's
 join is refused as ``busy`` and retried with its backoff: an anonymous peer can delay
 joins (never a joined site), which a handshake that demands certificates would not
-allow; a firewall that admits only the sites' addresses removes that too. Operators who prefer BoringSSL to refuse such peers
-before any byte reaches fedtrain set ``tls.verify_sites_in_handshake = true`` in
-server.toml: sites then need a valid certificate for the handshake *and* the proof,
-and handshake refusals are again only in gRPC's stderr line, not in audit.jsonl.
+allow; a firewall that admits only the sites' addresses removes that too. Operators
+who prefer BoringSSL to refuse such peers before any byte reaches fedtrain set
+``tls.verify_sites_in_handshake = true`` in server.toml: sites then need a valid
+certificate for the handshake *and* the proof, and handshake refusals are again only
+in gRPC's stderr line, not in audit.jsonl.
 """
 
 from __future__ import annotations

@@ -28,7 +28,13 @@ from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.encoded_upload import DecodingSpool
-from fedtrain.runtime.peer_auth import PeerCertificate, PeerRefused, PeerVerifier, new_nonce
+from fedtrain.runtime.peer_auth import (
+    PeerCertificate,
+    PeerRefused,
+    PeerVerifier,
+    Purpose,
+    new_nonce,
+)
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
@@ -135,12 +141,9 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             )
         certificate = None
         if self.verifier is not None:
-            try:
-                certificate = self.verifier.verify(
-                    join.proof if join.HasField("proof") else None, purpose="join", nonce=nonce
-                )
-            except PeerRefused as exc:
-                return Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
+            certificate = self._check_proof(join, "join", nonce)
+            if isinstance(certificate, Refusal):
+                return certificate
             site = certificate.name
             if join.site_name and join.site_name != site:
                 return Refusal(
@@ -216,6 +219,17 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
             return None, nonce, Refusal("timeout", timeout)
         return None, nonce, _NO_ANSWER
+
+    def _check_proof(
+        self, message: pb.Join | pb.StatusRequest, purpose: Purpose, nonce: bytes
+    ) -> PeerCertificate | Refusal:
+        """The certificate whose key answered this stream's challenge, or why not."""
+        assert self.verifier is not None
+        proof = message.proof if message.HasField("proof") else None
+        try:
+            return self.verifier.verify(proof, purpose=purpose, nonce=nonce)
+        except PeerRefused as exc:
+            return Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
 
     def _busy(self) -> Refusal:
         return Refusal(
@@ -564,12 +578,8 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             request_iterator, context, lambda c: pb.StatusMessage(challenge=c)
         )
         if refusal is None and self.verifier is not None:
-            try:
-                self.verifier.verify(
-                    first.proof if first.HasField("proof") else None, purpose="status", nonce=nonce
-                )
-            except PeerRefused as exc:
-                refusal = Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
+            checked = self._check_proof(first, "status", nonce)
+            refusal = checked if isinstance(checked, Refusal) else None
         if refusal is not None:
             self._refuse_peer("status_refused", peer, refusal)
             _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
