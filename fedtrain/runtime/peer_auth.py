@@ -92,6 +92,7 @@ __all__ = [
     "PeerVerifier",
     "Purpose",
     "client_identity",
+    "dialled_host",
     "new_nonce",
     "transcript",
 ]
@@ -191,7 +192,6 @@ class ClientIdentity:
     credentials: grpc.ChannelCredentials
     certificate: bytes
     key: PrivateKeyTypes
-    name: str | None
 
     def proof(self, purpose: Purpose, nonce: bytes, server_name: str) -> pb.Proof:
         """Sign the challenge for `server_name` (the name this peer verified the server for)."""
@@ -203,14 +203,9 @@ class ClientIdentity:
 def client_identity(cert: tls.PathLike, key: tls.PathLike, ca: tls.PathLike) -> ClientIdentity:
     """Check this machine's site certificate (as :func:`tls.channel_credentials` does)
     and load what it needs to answer the server's challenge."""
-    info, credentials = tls.checked_site_credentials(cert, key, ca)
+    _, credentials = tls.checked_site_credentials(cert, key, ca)
     private_key = serialization.load_pem_private_key(Path(key).read_bytes(), password=None)
-    return ClientIdentity(
-        credentials=credentials,
-        certificate=Path(cert).read_bytes(),
-        key=private_key,
-        name=info.common_name,
-    )
+    return ClientIdentity(credentials, Path(cert).read_bytes(), private_key)
 
 
 # --------------------------------------------------------------------------- server side

@@ -50,7 +50,6 @@ def identity(cert: Path, key: Path, ca: Path) -> ClientIdentity:
         credentials=grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()),
         certificate=cert.read_bytes(),
         key=serialization.load_pem_private_key(key.read_bytes(), password=None),
-        name=None,
     )
 
 
