@@ -254,7 +254,11 @@ class SiteConfig:
         "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
         "the daemon's own process. Set `devices` or `nproc`, not both.",
     )
-    seed: int = option(0, "Seed of local shuffling.")
+    seed: int = option(
+        0,
+        "Seed of the site's initial model. Training draws a fresh seed (OS randomness) for "
+        "every job, so a round the server runs again never yields the same update twice.",
+    )
     require_secagg: bool = option(
         False,
         "Train only for a server that runs secure aggregation: this site's update then "

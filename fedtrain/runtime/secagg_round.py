@@ -81,7 +81,11 @@ class SecureRoundState(RoundState):
     layout: UpdateLayout = field(kw_only=True, repr=False)
     sessions: Mapping[str, Session | None] = field(kw_only=True, repr=False)
     audit: AuditLog = field(kw_only=True, repr=False)
-    #: The unmasked sum, once the protocol finished.
+    #: The fewest included sites whose sum may be unmasked: the strategy's minimum for
+    #: the round, decided before any share is revealed (see `wait`).
+    min_included: int = field(kw_only=True)
+    #: The unmasked sum, once the protocol finished. Once set, the attempt is spent:
+    #: the coordinator must end the round with it, never retry it.
     result: SecAggResult | None = field(init=False, default=None)
     ids: dict[str, int] = field(init=False)
     _names: dict[int, str] = field(init=False, repr=False)
@@ -105,6 +109,7 @@ class SecureRoundState(RoundState):
                 secagg_round_id(self.round, self.attempt),
                 self.ids.values(),
                 self.layout.length,
+                min_included=self.min_included,
             )
         except SecAggError as exc:
             raise SecAggError(
@@ -231,7 +236,12 @@ class SecureRoundState(RoundState):
         """Run the protocol to its end: every stage, then unmask into the aggregate.
 
         Returns early if `stopped()`; a round that cannot complete (too many dropouts,
-        a corrupt share) sets `poisoned`, so the coordinator retries it.
+        fewer masked inputs than `min_included`, a corrupt share) sets `poisoned`
+        *before* anything is unmasked, so the coordinator retries it with fresh masks
+        and fresh training. The server never unmasks two sums over different subsets
+        of one attempt's updates, nor a sum it will not use: the acceptance minimum is
+        part of the protocol's masked-input stage, and once `result` is set the
+        attempt is the round's (an audit record `secagg_unmasked` names the sites).
         """
         with self._cond:
             try:
@@ -242,6 +252,13 @@ class SecureRoundState(RoundState):
                 if not self._await(Stage.UNMASK, stopped):
                     return
                 self.result = self._server.finish()
+                self.audit.record(
+                    "secagg_unmasked",
+                    round=self.round,
+                    attempt=self.attempt,
+                    included=sorted(self._names[i] for i in self.result.included),
+                    dropped=sorted(self._names[i] for i in self.result.dropped),
+                )
                 assert isinstance(self.aggregate, WeightedSum)  # checked in __post_init__
                 self.aggregate.merge(self.layout.weighted_sum(self.result))
             except (SecAggError, UpdateRejected) as exc:

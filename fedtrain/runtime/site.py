@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -160,7 +161,7 @@ class SiteDaemon:
         self._call: grpc.Call | None = None
         self._job: tuple[Link, pb.Instruction] | None = None
         self._job_ready = threading.Condition()
-        self.secagg = SiteSecAgg(config.seed)  # this site's secure-aggregation rounds
+        self.secagg = SiteSecAgg()  # this site's secure-aggregation rounds
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
 
@@ -436,13 +437,14 @@ class SiteDaemon:
         """One round's local training: (trained state, result), in this process or on
         the worker group. The state may be views of the live weights (no copy on the
         CPU); the delta is computed chunk by chunk from it while it streams out."""
+        seed = fresh_training_seed()
         if self.group is not None:
             return self.group.train_round(
-                global_state, config, timeout_s=train_timeout_s(deadline_unix)
+                global_state, config, timeout_s=train_timeout_s(deadline_unix), seed=seed
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
-        result = self.task.train(self.model, self.data, config, self.context)
+        result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
         return ModelState(self.model.state_dict()), result
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
@@ -494,6 +496,17 @@ class SiteDaemon:
             yield from chunks
 
         return upload(items())
+
+
+def fresh_training_seed() -> int:
+    """A new seed for every training job, from the OS's CSPRNG.
+
+    A server that retries a round (or resumes after a crash) asks the same sites to
+    train from the same model again. With a fixed seed they would send bit-identical
+    updates, so two secure sums over different subsets of them differ by exactly one
+    site's update: fresh randomness makes every re-run a different update.
+    """
+    return secrets.randbits(63)
 
 
 def _plain_header(link: Link, instruction: pb.Instruction, result: TrainResult) -> pb.UploadHeader:

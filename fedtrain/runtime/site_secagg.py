@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -86,8 +87,7 @@ class _Round:
 class SiteSecAgg:
     """The site's secure-aggregation rounds, fed by the control-stream and trainer threads."""
 
-    def __init__(self, seed: int = 0) -> None:
-        self._seed = seed
+    def __init__(self) -> None:
         self._cond = threading.Condition()
         self._round: _Round | None = None
 
@@ -108,8 +108,10 @@ class SiteSecAgg:
                 if isinstance(msg, SetupRequest):
                     if current.client is not None:
                         raise SecAggError(f"round {server_round}: a second SetupRequest")
-                    # Rounding draws are no secret (the result is masked); seeded per attempt.
-                    rng = np.random.default_rng([self._seed, msg.params.round_id])
+                    # Stochastic rounding must be independent across sites (and attempts)
+                    # for its errors to average out: seeded from the OS's CSPRNG, never
+                    # from the site's configured seed, which sites often share.
+                    rng = np.random.default_rng(secrets.randbits(128))
                     current.dp = DistributedDP.from_params(msg.params)
                     noise = current.dp.add_noise if current.dp is not None else None
                     current.client = SecAggClient(msg.site, rng=rng, noise=noise)

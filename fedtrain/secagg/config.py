@@ -114,8 +114,14 @@ class SecAggConfig:
         sites: Iterable[int],
         vector_length: int,
         graph_seed: bytes | None = None,
+        min_included: int = 0,
     ) -> RoundParams:
-        """Parameters of one round over ``sites``; ``graph_seed`` defaults to fresh bytes."""
+        """Parameters of one round over ``sites``; ``graph_seed`` defaults to fresh bytes.
+
+        ``min_included``: the fewest masked inputs the round may unmask (the driver's
+        acceptance minimum, e.g. the strategy's ``min_results``); fewer and the round
+        fails with its sum still masked.
+        """
         ids = tuple(sorted(set(sites)))
         if len(ids) < 2:
             raise SecAggError(f"secure aggregation needs at least 2 sites, got {len(ids)}")
@@ -130,6 +136,11 @@ class SecAggConfig:
             raise SecAggError(f"round id must be in [0, 2^64), got {round_id}")
         if vector_length < 1:
             raise SecAggError(f"vector_length must be >= 1, got {vector_length}")
+        if not 0 <= min_included <= len(ids):
+            raise SecAggError(
+                f"round {round_id}: min_included = {min_included} must be in [0, {len(ids)}] "
+                "(the round's sites); no sum of fewer could ever be unmasked"
+            )
         k, t = self.degree_and_threshold(len(ids))
         check_threshold(t, k, len(ids))
         seed = os.urandom(GRAPH_SEED_BYTES) if graph_seed is None else graph_seed
@@ -153,4 +164,5 @@ class SecAggConfig:
             dp_noise_multiplier=self.dp_noise_multiplier,
             dp_clip_norm=self.dp_clip_norm,
             dp_min_survivors=self.dp_min_survivors,
+            min_included=min_included,
         )

@@ -46,6 +46,7 @@ def run_in_memory(
     chunk_elements: int | None = None,
     broken_uploads: Iterable[int] = (),
     noise: EncodedNoise | None = None,
+    min_included: int = 0,
 ) -> SecAggResult:
     """Run one round over ``vectors`` (site id -> update; a sequence means ids 1..n).
 
@@ -58,6 +59,8 @@ def run_in_memory(
         chunk_elements: stream masked vectors to the server in chunks of this size.
         broken_uploads: sites whose masked-vector stream stops halfway (dropouts).
         noise: every site's privacy noise on its encoded update (distributed DP).
+        min_included: the fewest masked inputs the server may unmask (the driver's
+            acceptance minimum); fewer and the round fails with its sum still masked.
 
     Raises SecAggError when the round cannot complete (e.g. too many dropouts).
     """
@@ -82,7 +85,7 @@ def run_in_memory(
     site_rngs = gen.spawn(len(xs))
     expander = MaskExpander()  # shared: clients here run one after another
 
-    server = SecAggServer.from_config(config, round_id, xs, lengths.pop(), graph_seed)
+    server = SecAggServer.from_config(config, round_id, xs, lengths.pop(), graph_seed, min_included)
     clients = {}
     for (site, x), site_rng in zip(sorted(xs.items()), site_rngs, strict=True):
         client = SecAggClient(site, rng=site_rng, expander=expander, noise=noise)

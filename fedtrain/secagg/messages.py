@@ -138,6 +138,12 @@ class RoundParams:
     dp_noise_multiplier: float = 0.0
     dp_clip_norm: float = 0.0
     dp_min_survivors: int = 0
+    #: The fewest masked inputs whose sum the server may unmask: the round's acceptance
+    #: minimum (the strategy's `min_results`). Checked *before* any share is revealed,
+    #: so a round too small to use is abandoned with its sum still masked, never
+    #: unmasked and thrown away (a retry would then unmask a second sum over a
+    #: different subset of the same sites, and the difference is one site's update).
+    min_included: int = 0
 
     def quantizer(self) -> Quantizer:
         return Quantizer(
@@ -163,6 +169,7 @@ class RoundParams:
         w.f64(self.dp_noise_multiplier)
         w.f64(self.dp_clip_norm)
         w.u32(self.dp_min_survivors)
+        w.u32(self.min_included)
 
     @classmethod
     def _read(cls, r: _Reader) -> RoundParams:
@@ -181,6 +188,7 @@ class RoundParams:
             dp_noise_multiplier=r.f64(),
             dp_clip_norm=r.f64(),
             dp_min_survivors=r.u32(),
+            min_included=r.u32(),
         )
 
 

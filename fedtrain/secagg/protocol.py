@@ -93,6 +93,11 @@ def validate_params(params: RoundParams) -> Quantizer:
     if len(params.graph_seed) != GRAPH_SEED_BYTES:
         raise SecAggError(f"round {params.round_id}: graph seed must be {GRAPH_SEED_BYTES} bytes")
     check_threshold(params.t, params.k, len(sites))
+    if params.min_included > len(sites):
+        raise SecAggError(
+            f"round {params.round_id}: min_included = {params.min_included} exceeds the "
+            f"round's {len(sites)} sites"
+        )
     return quantizer
 
 
@@ -426,8 +431,9 @@ class SecAggServer:
         sites: Iterable[int],
         vector_length: int,
         graph_seed: bytes | None = None,
+        min_included: int = 0,
     ) -> SecAggServer:
-        return cls(config.round_params(round_id, sites, vector_length, graph_seed))
+        return cls(config.round_params(round_id, sites, vector_length, graph_seed, min_included))
 
     @property
     def stage(self) -> Stage:
@@ -658,6 +664,11 @@ class SecAggServer:
             raise self._fail(
                 f"only {len(u3)} masked inputs arrived, fewer than the {p.dp_min_survivors} "
                 "sites whose noise distributed DP needs in the sum; not unmasking it"
+            )
+        if len(u3) < p.min_included:
+            raise self._fail(
+                f"only {len(u3)} masked inputs arrived, fewer than the {p.min_included} the "
+                "round needs to count; its sum stays masked (a retry starts afresh)"
             )
         short = [
             f"site {u} ({len(self._holders(u) & u3)} holders left)"

@@ -40,6 +40,7 @@ from fedtrain.secagg import (
     SetupRequest,
     decode_message,
 )
+from fedtrain.secagg.quantize import Quantizer
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import FedMedian
 from fedtrain.strategy.aggregate import apply_mean_delta
@@ -227,20 +228,53 @@ def _answer(site: FakeSite, client: SecAggClient | None = None) -> Any:
 
 
 def _two_daemons_and_a_hand_driven_site(
-    tmp_path: Path, owned: list[Any]
+    tmp_path: Path, owned: list[Any], min_fit_clients: int = 2
 ) -> tuple[AggregationServer, FakeSite]:
     """A secure server, real daemons a and b, and site zz driven by the test. Three sites
-    start the round; two updates are enough to finish it."""
+    start the round; `min_fit_clients` updates are enough to finish it."""
     task = TinyTask(features=100)
-    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
+    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": min_fit_clients})
     owned.append(server)
     for i, name in enumerate(("a", "b")):
         owned.append(_daemon(server, task, name, i))
+    return server, _hand_driven_site(server, task, owned)
+
+
+def _hand_driven_site(server: AggregationServer, task: TinyTask, owned: list[Any]) -> FakeSite:
     fake = FakeSite(
         server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
     )
     owned.append(fake)
-    return server, fake
+    return fake
+
+
+def _masked_upload(fake: FakeSite, instruction: pb.Instruction, vector: np.ndarray) -> None:
+    header = fake.header(instruction.round, num_examples=0, model_version=instruction.model_version)
+    header.header.masked = True
+    chunks = wire.masked_chunks(vector, 64)
+    fake.upload([header, *(pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks)])
+
+
+def _take_part(fake: FakeSite, until: str | None = None, value: float = 0.5) -> None:
+    """Take part in the next secure round as an honest site: all of it, or only until
+    the server asks for stage `until` (delivering the masked input first when `until`
+    is UNMASK), which the caller then makes it miss by closing it."""
+    instruction = fake.expect("instruction").instruction
+    if until == "SETUP":
+        fake.expect("secagg")
+        return
+    client, setup = _answer(fake)
+    if until == "SHARE_KEYS":
+        fake.expect("secagg")
+        return
+    _answer(fake, client)
+    _, routed = _answer(fake, client)
+    if until == "MASKED_INPUT":
+        return
+    client.set_input(np.full(setup.params.vector_length, value), 40.0)
+    _masked_upload(fake, instruction, client.handle(routed).vector)
+    if until is None:
+        _answer(fake, client)
 
 
 def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
@@ -295,22 +329,7 @@ def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     tmp_path: Path, owned: list[Any], spy: dict[str, Any], stage: str
 ) -> None:
     server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned)
-    instruction = fake.expect("instruction").instruction
-    if stage == "SETUP":
-        fake.expect("secagg")
-    else:
-        client, setup = _answer(fake)
-        if stage == "SHARE_KEYS":
-            fake.expect("secagg")
-        else:  # deliver the masked input, then vanish before unmasking
-            _answer(fake, client)
-            _, routed = _answer(fake, client)
-            client.set_input(np.full(setup.params.vector_length, 0.5), 40.0)
-            masked = client.handle(routed)
-            header = fake.header(1, num_examples=0, model_version=instruction.model_version)
-            header.header.masked = True
-            chunks = wire.masked_chunks(masked.vector, 64)
-            fake.upload([header, *(pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks)])
+    _take_part(fake, until=stage)
     fake.close()
 
     assert server.wait(90), f"the round did not complete after a dropout at {stage}"
@@ -327,6 +346,93 @@ def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     audit = read_audit(server.run_dir.path / "audit.jsonl")
     missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
     assert missing[stage] == ["zz"]
+
+
+@pytest.fixture
+def ledger(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """A curious server's notebook: every sum the server ever unmasks (protocol round id,
+    included secagg ids) and every input a site masks (round id, site, update)."""
+    book: dict[str, list[Any]] = {"sums": [], "inputs": []}
+    set_input, finish = SecAggClient.set_input, SecAggServer.finish
+
+    def note_input(self: SecAggClient, update: np.ndarray, weight: float) -> None:
+        round_id = self._params.round_id if self._params is not None else None
+        book["inputs"].append((round_id, self.site, np.array(update), float(weight)))
+        set_input(self, update, weight)
+
+    def note_sum(self: SecAggServer) -> Any:
+        result = finish(self)
+        book["sums"].append((self.params.round_id, result.included))
+        return result
+
+    monkeypatch.setattr(SecAggClient, "set_input", note_input)
+    monkeypatch.setattr(SecAggServer, "finish", note_sum)
+    return book
+
+
+@pytest.mark.parametrize("stage", ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "UNMASK"])
+def test_a_curious_server_never_unmasks_two_sums_over_one_rounds_updates(
+    tmp_path: Path, owned: list[Any], ledger: dict[str, list[Any]], stage: str
+) -> None:
+    """Every site must count (min_fit_clients = 3 of 3), so a dropout before the masked
+    input makes the round run again. Were the first attempt's sum of the two others
+    unmasked and thrown away, the retry's sum minus it would be the third site's update
+    (the review reproduced exactly that, correlation 1.0). The server must decide before
+    unmasking, and a retry must train afresh so no update is ever sent twice."""
+    server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned, min_fit_clients=3)
+    _take_part(fake, until=stage)
+    fake.close()  # vanishes at `stage`
+    if stage != "UNMASK":  # the round runs again once zz is back
+        _take_part(_hand_driven_site(server, TinyTask(features=100), owned), value=0.25)
+
+    assert server.wait(90), f"the round did not complete after a dropout at {stage}"
+    assert server.coordinator.error is None
+    # One sum unmasked for the round, over all three sites: nothing to subtract it from.
+    assert len(ledger["sums"]) == 1, ledger["sums"]
+    assert ledger["sums"][0][1] == (1, 2, 3)
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    attempts = 1 if stage == "UNMASK" else 2
+    assert len([r for r in audit if r["event"] == "round_started"]) == attempts
+    assert [r["included"] for r in audit if r["event"] == "secagg_unmasked"] == [["a", "b", "zz"]]
+    # Every attempt trained afresh: no site masked the same update twice.
+    for site in (1, 2):  # the daemons a and b
+        updates = [x for _, s, x, _ in ledger["inputs"] if s == site]
+        assert len(updates) == attempts
+        assert all(
+            not np.array_equal(u, v) for i, u in enumerate(updates) for v in updates[i + 1 :]
+        )
+
+
+def test_sites_round_their_updates_with_independent_randomness(
+    tmp_path: Path, owned: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stochastic rounding's error averages out over n sites (~sqrt(n) * step / 2) only if
+    the sites draw independently. Two daemons with the same configured seed (the
+    default, 0) must still round with uncorrelated errors."""
+    errors: list[np.ndarray] = []
+    encode = Quantizer.encode
+
+    def note_error(self: Quantizer, update: np.ndarray, weight: float, rng: Any) -> np.ndarray:
+        out = encode(self, update, weight, rng)
+        # An independent reference of what `encode` rounds: clip(x) scaled onto [0, L].
+        scale = self.encode_weight(weight) * self.weight_resolution * self.levels
+        exact = np.clip(np.asarray(update, np.float64), -self.clip, self.clip)
+        exact = exact * scale / (2 * self.clip * self.max_weight) + self.levels / 2
+        errors.append(out[:-1].astype(np.float64) - exact)
+        return out
+
+    monkeypatch.setattr(Quantizer, "encode", note_error)
+    task = TinyTask(features=2000)
+    server = _server(tmp_path, task, sites=2)
+    owned.append(server)
+    for name in ("a", "b"):
+        owned.append(_daemon(server, task, name, 0, seed=0))
+    assert server.wait(90), "the secure round did not finish"
+    a, b = errors
+    assert a.size == b.size == 4002
+    assert np.all((a > -1) & (a < 1)) and abs(a.mean()) < 0.05  # unbiased, within a step
+    # 4002 values: an estimate's standard error is ~0.016; shared draws give ~0.5.
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.1
 
 
 def test_site_requiring_secagg_refuses_a_plain_server(
@@ -354,8 +460,8 @@ def test_secure_server_refuses_sites_that_cannot_mask(tmp_path: Path, owned: lis
         FakeSite(server.port, "old", task_fingerprint(task))
 
 
-@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg"])
-def test_strategies_that_need_every_update_are_refused_with_secagg(name: str) -> None:
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg", "fedbuff"])
+def test_strategies_that_need_every_update_or_fold_alone_are_refused_with_secagg(name: str) -> None:
     raw = {"task": "t:T", "secagg": True, "strategy": {"name": name}}
     with pytest.raises(ConfigError, match=f"'{name}' cannot run with secure aggregation"):
         from_dict(ServerConfig, raw)
@@ -416,7 +522,9 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
                     "runtime_support:TinyTask",
                     allowed_sites=sites,
                     rounds=1,
-                    client=CLIENT,
+                    # One full batch per site: the same update in both federations, whatever
+                    # order the fresh seed each training job draws shuffles it in.
+                    client={**CLIENT, "batch_size": 200},
                     strategy={"min_fit_clients": 3, "min_available_clients": 3},
                     secagg=SECAGG if secure else {"enabled": False},
                     # Six sites and two servers share the cores: no site may miss the

@@ -8,6 +8,7 @@ import pytest
 
 from fedtrain.config import from_dict, load_toml
 from fedtrain.errors import ConfigError
+from fedtrain.secagg import SecAggServer
 from fedtrain.simulation import SimConfig, run_simulation
 from fedtrain.strategy import FedMedian
 from fedtrain.task import load_task, model_for
@@ -40,6 +41,31 @@ def test_one_secure_round_is_within_the_quantization_bound_of_plain_fedavg(make_
         diff = (secure.model[name].double() - tensor.double()).abs().max().item()
         assert diff <= bound + 1e-7, (name, diff, bound)
     assert not secure.model.equal(plain.model)  # it did go through the quantizer
+
+
+def test_a_round_too_small_to_count_is_never_unmasked(make_config, monkeypatch):
+    """20 clients train, a fifth vanish before their masked input, and the strategy
+    needs all 20: the protocol must stop before any share is revealed, never unmask the
+    other 16 and throw their sum away."""
+    unmasked = []
+    finish = SecAggServer.finish
+
+    def note(self: SecAggServer):
+        result = finish(self)
+        unmasked.append(result.included)
+        return result
+
+    monkeypatch.setattr(SecAggServer, "finish", note)
+    config = make_config(
+        rounds=1,
+        strategy={"fraction_fit": 0.5, "min_fit_clients": 20, "min_available_clients": 20},
+        secagg=secagg(stage_dropouts=[0.0, 0.0, 0.2, 0.0]),
+    )
+    record = run_simulation(config).history[0]
+    assert record["secagg_dropped_masked_input"] == 4
+    assert not record["aggregated"] and record["secagg_included"] == 0
+    assert "fewer than the 20 the round needs to count" in record["secagg_error"]
+    assert unmasked == []
 
 
 def test_dropouts_at_every_stage_still_complete_rounds(make_config):
@@ -78,7 +104,7 @@ def test_a_client_over_max_weight_is_rejected_not_the_round(make_config, caplog)
 
 
 def test_strategies_that_need_every_update_are_refused_with_the_reason(make_config):
-    for name in ("fedmedian", "fedtrimmedavg", "krum", "dpfedavg"):
+    for name in ("fedmedian", "fedtrimmedavg", "krum", "dpfedavg", "fedbuff"):
         with pytest.raises(ConfigError, match=rf"{name}' cannot run with secure aggregation"):
             make_config(secagg=True, strategy={"name": name, "min_fit_clients": 2})
     config = make_config(secagg=True)
