@@ -373,7 +373,7 @@ def run_swarm(
                 cpu_last = sum(proc.cpu_times()[:2])
             if time.monotonic() - last_status > 1.0:
                 last_status = time.monotonic()
-                with contextlib.suppress(grpc.RpcError):  # the run may have just ended
+                with contextlib.suppress(ServerUnreachable):  # the run may have just ended
                     status_times.append(_status_seconds(address))
             time.sleep(0.25)
         if server.poll() is None:
