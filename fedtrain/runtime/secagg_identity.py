@@ -10,9 +10,10 @@ binding reuses what the federation already has, the site certificate from
   *credential* it attaches to every advertisement is its certificate (DER), that
   endorsement and the Ed25519 key; the server forwards it to the site's neighbours.
 * A verifier (every site, and the server) checks a credential as a TLS handshake
-  would check the certificate: chains to the federation CA (``tls.ca``), inside its
-  validity window now, clientAuth, one valid site name; then the endorsement with the
-  certificate's key. Only then is the Ed25519 key that site's.
+  would check the certificate (the checks of a join, `tls.verify_issued`): issued by
+  the federation CA (``tls.ca``), inside its validity window now, clientAuth, one valid
+  site name; then the endorsement with the certificate's key. Only then is the Ed25519
+  key that site's.
 
 What the check binds is *distinct certified sites*, not a name per secagg id: a site
 refuses neighbours whose certificates repeat a name (one site, or one colluder, in
@@ -44,6 +45,12 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.x509.verification import (
+    ClientVerifier,
+    PolicyBuilder,
+    Store,
+    VerificationError,
+)
 
 from fedtrain.errors import CertificateError, SecAggError
 from fedtrain.runtime import tls
@@ -153,16 +160,34 @@ class CertificateVerifier:
             )
         return VerifiedPeer(checked.name, checked.key)
 
+    def _policy(self) -> ClientVerifier:
+        return PolicyBuilder().store(Store([self._ca])).time(self._clock()).build_client_verifier()
+
     def _check(self, site: int, credential: bytes) -> _Checked:
         try:
             der, endorsement, public = _unpack(credential, 3)
             cert = x509.load_der_x509_certificate(der)
         except ValueError as exc:
             raise SecAggError(f"site {site}'s identity credential is malformed ({exc})") from None
+        subject = cert.subject.rfc4514_string()
         try:
-            name = tls.verify_site_certificate(cert, self._ca, self._clock())
-        except CertificateError as exc:
+            # The checks a site's certificate gets at join (fedtrain.runtime.peer_auth).
+            tls.verify_issued(
+                cert,
+                self._ca,
+                purpose="site",
+                where=f"certificate '{subject}'",
+                ca_label=f"'{self._ca.subject.rfc4514_string()}'",
+                foreign_fix="it belongs to another federation",
+                renew="its site must be issued a new one",
+                now=self._clock(),
+            )
+            name = tls.site_name_of(cert)
+            self._policy().verify(cert, [])  # and RFC 5280's rules, the join's last gate
+        except (CertificateError, VerificationError) as exc:
             raise SecAggError(f"site {site}'s certificate does not verify: {exc}") from None
+        if name is None:  # pragma: no cover - verify_issued refuses a site without a name
+            raise SecAggError(f"site {site}'s certificate names no site")
         cert_key = cert.public_key()
         if not isinstance(cert_key, ec.EllipticCurvePublicKey) or len(public) != PUBLIC_KEY_BYTES:
             raise SecAggError(f"site {site} ({name!r}): its credential holds no EC-endorsed key")

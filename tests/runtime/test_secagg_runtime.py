@@ -690,7 +690,7 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
         uploads = dep.audit("upload")
         assert len(uploads) == 3 and all(r["masked"] is secure for r in uploads)
     assert "secure aggregation on" in deps[True].log("server")
-    assert "mutual TLS" in deps[True].log("server")
+    assert "TLS, sites prove their certificates at join" in deps[True].log("server")
     assert "consistency check on" in deps[True].log("server")
     stages = [r["stage"] for r in deps[True].audit("secagg_stage")]
     assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
