@@ -33,7 +33,9 @@ from fedtrain.errors import SecAggError
 from fedtrain.secagg.quantize import Quantizer
 
 _MAGIC = b"SA"
-_VERSION = 1
+#: 2: signed advertisements, the consistency stage, min_included (a v1 peer is refused
+#: with "unsupported message version" rather than a confusing decode error).
+_VERSION = 2
 
 
 class _Writer:

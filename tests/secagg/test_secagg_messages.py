@@ -108,5 +108,7 @@ def test_wrong_type_and_garbage_are_refused() -> None:
         decode_message(data[:3] + b"\x63" + data[4:])
     with pytest.raises(SecAggError, match="version"):
         decode_message(data[:2] + b"\x09" + data[3:])
+    with pytest.raises(SecAggError, match="unsupported message version 1"):  # before signing
+        decode_message(data[:2] + b"\x01" + data[3:])
     with pytest.raises(SecAggError, match="not a secure-aggregation"):
         decode_message(b"\x80\x04garbage")  # e.g. a pickle
