@@ -3,11 +3,20 @@
 Every key has a default and a one-line doc (field metadata) from which the config
 reference is generated. Unknown keys, wrong types and missing required keys are
 errors that name the key, so a typo never silently falls back to a default.
+
+Keys declared with `env=True` (every path, and the free-form option tables a task
+reads paths from) may use environment variables: `${VAR}` is replaced by VAR's value,
+`${VAR:-default}` by the default when VAR is unset or empty, and `$$` is a literal
+`$`. An unset variable without a default is an error naming the key and the
+variable, so one config serves a pod (paths from its env), a systemd unit
+(`Environment=`/`EnvironmentFile=`) and a laptop (the defaults).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -21,9 +30,10 @@ T = TypeVar("T")
 REQUIRED: Any = dataclasses.MISSING
 
 
-def option(default: Any = REQUIRED, doc: str = "", **kwargs: Any) -> Any:
-    """A config key with its documentation (mutable defaults are copied per instance)."""
-    meta = {"doc": doc}
+def option(default: Any = REQUIRED, doc: str = "", *, env: bool = False, **kwargs: Any) -> Any:
+    """A config key with its documentation (mutable defaults are copied per instance);
+    `env=True`: `${VAR}` in its string values is expanded (see the module docstring)."""
+    meta = {"doc": doc, "env": env}
     if isinstance(default, dict | list):
         value = default
         return dataclasses.field(default_factory=lambda: type(value)(value), metadata=meta)
@@ -64,8 +74,42 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(f"missing required key {key}")
             continue
-        values[name] = _convert(hints[name], data[name], key)
+        value = data[name]
+        if f.metadata.get("env"):
+            value = expand_env(value, key)
+        values[name] = _convert(hints[name], value, key)
     return cls(**values)
+
+
+_ENV_REFERENCE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(value: Any, key: str, environ: typing.Mapping[str, str] | None = None) -> Any:
+    """`value` with `${VAR}`, `${VAR:-default}` and `$$` expanded in every string it holds
+    (tables and lists are walked); an unset variable without a default names `key`."""
+    env = os.environ if environ is None else environ
+    if isinstance(value, dict):
+        return {k: expand_env(v, f"{key}.{k}", env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, f"{key}[{i}]", env) for i, v in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name is None:
+            return "$"
+        found = env.get(name)
+        if default is not None:  # `:-`: the default when unset or empty, as in the shell
+            return found or default
+        if found is not None:
+            return found
+        raise ConfigError(
+            f"{key} = {value!r} uses ${{{name}}}, but the environment variable {name} is not "
+            f"set; set it, or write ${{{name}:-default}} to fall back to a default"
+        )
+
+    return _ENV_REFERENCE.sub(substitute, value)
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
@@ -138,7 +182,8 @@ def reference(cls: type, where: str = "") -> list[str]:
         else:
             default = "required"
         doc = f.metadata.get("doc", "")
-        lines.append(f"| `{_key(where, f.name)}` | {_type_name(tp)} | `{default}` | {doc} |")
+        kind = _type_name(tp) + (" (`${VAR}`)" if f.metadata.get("env") else "")
+        lines.append(f"| `{_key(where, f.name)}` | {kind} | `{default}` | {doc} |")
     for f, tp in nested:
         lines.extend(reference(tp, _key(where, f.name)))
     return lines

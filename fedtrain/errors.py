@@ -35,6 +35,12 @@ class SecAggError(FedtrainError):
     """Secure aggregation cannot proceed (bad parameters, too many dropouts, bad share)."""
 
 
+class DataError(FedtrainError):
+    """A site's data cannot be read as configured: a file or folder that is missing or
+    unreadable, a column that is missing or not numeric, a missing value, a label
+    outside the configured classes. The message names the file and the column."""
+
+
 class TaskError(FedtrainError):
     """A task could not be loaded or does not satisfy the Task protocol."""
 

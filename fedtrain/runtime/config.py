@@ -27,9 +27,11 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class TlsConfig:
-    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).")
-    cert: str = option("", "This machine's certificate (`fedtrain ca issue-server/-site`).")
-    key: str = option("", "The private key of `cert`.")
+    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).", env=True)
+    cert: str = option(
+        "", "This machine's certificate (`fedtrain ca issue-server/-site`).", env=True
+    )
+    key: str = option("", "The private key of `cert`.", env=True)
 
     def require(self, where: str) -> tuple[Path, Path, Path]:
         """The three paths, or a clear error naming the missing keys."""
@@ -115,9 +117,13 @@ class SecAggServerSettings(SecAggSettings):
 @dataclass
 class ServerConfig:
     task: str = option(doc="Task installed at the server and the sites, 'package.module:Class'.")
-    task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
+    task_options: dict[str, Any] = option(
+        {}, "Keyword arguments for the task's constructor.", env=True
+    )
     address: str = option(DEFAULT_ADDRESS, "host:port to listen on ('0.0.0.0:PORT' for all).")
-    run_dir: str = option("runs/server", "Directory for config, metrics, audit, checkpoints.")
+    run_dir: str = option(
+        "runs/server", "Directory for config, metrics, audit, checkpoints.", env=True
+    )
     rounds: int = option(10, "Number of federated rounds (fedbuff: model versions).")
     seed: int = option(0, "Seed of the initial model and of participant sampling.")
     device: str = option("cpu", "Device for the server-side evaluation of the global model.")
@@ -208,19 +214,70 @@ class ServerConfig:
         return self.strategy.build(self.client)
 
 
+#: Sources read from files named in site.toml (`fedtrain.datasources`).
+FILE_SOURCES = ("parquet", "csv", "imagefolder")
+
+
 @dataclass
 class DataConfig(PartitionConfig):
-    """This site's data: a partition of the task's training set, or the task's own hook."""
+    """This site's data: a partition of the task's training set, the task's own hook,
+    or files read without code (Parquet, CSV, an image folder)."""
 
-    source: Literal["partition", "task"] = option(
+    source: Literal["partition", "task", "parquet", "csv", "imagefolder"] = option(
         "partition",
         "`partition`: a slice of task.datasets()[0] (the bundled examples); "
-        "`task`: call the task's `site_data(site_name, **options)` hook.",
+        "`task`: call the task's `site_data(site_name, **options)` hook; `parquet` / "
+        "`csv`: a table under `path` (features and label columns); `imagefolder`: one "
+        "folder of images per class under `path`. Needs `pip install 'fedtrain[data]'` "
+        "for parquet and csv.",
     )
     partition: int = option(0, "Which part of the split this site holds (0-based).")
     num_partitions: int = option(1, "Into how many parts the training set is split.")
-    seed: int = option(0, "Seed of the split; every site of a federation uses the same.")
-    options: dict[str, Any] = option({}, "Keyword arguments for the task's site_data hook.")
+    seed: int = option(
+        0,
+        "Seed of the split (every site of a federation uses the same) and of the "
+        "held-out rows of eval_fraction.",
+    )
+    options: dict[str, Any] = option(
+        {}, "Keyword arguments for the task's site_data hook.", env=True
+    )
+    path: str = option(
+        "",
+        "parquet: a file or a (Hive-partitioned, e.g. Spark's) folder of files; csv: a "
+        "file or a folder of them; imagefolder: the folder holding one folder per class.",
+        env=True,
+    )
+    features: list[str] = option(
+        [], "parquet/csv: feature columns, in model input order; []: every column but label."
+    )
+    label: str = option("", "parquet/csv: the label column (required).")
+    classes: list[Any] = option(
+        [],
+        "Class names in label-index order, the same list at every site: label values "
+        "(text or numbers) become their index; imagefolder: the class folders ([]: the "
+        "sorted folder names). parquet/csv without it: an integer label is the class "
+        "index, a floating one a regression target.",
+    )
+    eval_path: str = option(
+        "",
+        "A held-out set with the same layout as `path` (file or folder), for evaluation at "
+        "this site; not with eval_fraction.",
+        env=True,
+    )
+    eval_fraction: float = option(
+        0.0,
+        "Hold out this fraction of the rows (images) under `path` for evaluation (seeded by "
+        "data.seed, the same split on every start); 0: none.",
+    )
+    batch_rows: int = option(
+        65536, "parquet/csv: rows decoded per record batch while the files are read."
+    )
+    image_size: list[int] = option(
+        [], "imagefolder: resize every image to [height, width]; []: all must share a size."
+    )
+    image_mode: Literal["RGB", "L"] = option(
+        "RGB", "imagefolder: decode images as RGB (3 channels) or L (grey, 1 channel)."
+    )
 
     def __post_init__(self) -> None:
         if self.num_partitions < 1:
@@ -229,6 +286,26 @@ class DataConfig(PartitionConfig):
             raise ConfigError(
                 f"data.partition = {self.partition} must be in [0, {self.num_partitions})"
             )
+        reads_files = self.source in FILE_SOURCES
+        if reads_files and not self.path:
+            raise ConfigError(f"data.source = {self.source!r} needs data.path (a file or folder)")
+        if self.source in ("parquet", "csv") and not self.label:
+            raise ConfigError(
+                f"data.source = {self.source!r} needs data.label, the label column's name"
+            )
+        if not reads_files:
+            stray = [k for k in ("path", "eval_path", "label", "features") if getattr(self, k)]
+            if stray:
+                raise ConfigError(
+                    f"data.{stray[0]} is read only with data.source = parquet, csv or "
+                    f"imagefolder (here: {self.source!r})"
+                )
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction = {self.eval_fraction} must be in [0, 1)")
+        if self.eval_fraction and self.eval_path:
+            raise ConfigError("set data.eval_path or data.eval_fraction, not both")
+        if self.batch_rows < 1:
+            raise ConfigError(f"data.batch_rows must be >= 1, got {self.batch_rows}")
 
 
 @dataclass
@@ -246,7 +323,9 @@ class ReconnectConfig:
 @dataclass
 class SiteConfig:
     task: str = option(doc="Task to run, 'package.module:Class' (the same as the server's).")
-    task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
+    task_options: dict[str, Any] = option(
+        {}, "Keyword arguments for the task's constructor.", env=True
+    )
     server: str = option(DEFAULT_ADDRESS, "host:port of the aggregation server.")
     name: str = option(
         "",

@@ -45,7 +45,7 @@ from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.site_data import site_dataset
+from fedtrain.runtime.site_data import site_data
 from fedtrain.runtime.site_parallel import train_timeout_s, worker_group
 from fedtrain.runtime.site_secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.strategy import RoundConfig, compute_delta
@@ -155,9 +155,16 @@ class SiteDaemon:
         self.device = resolve_device(config.device)
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
+        #: The held-out set (data.eval_path / eval_fraction / the hook's SiteData.test):
+        #: each round's global model is evaluated on it before training here.
+        self.eval_data: Dataset | None = None
         self.model: nn.Module | None = None
         if self.group is None:
-            self.data = site_dataset(self.task, config.data, self.name) if data is None else data
+            if data is None:
+                mine = site_data(self.task, config.data, self.name)
+                self.data, self.eval_data = mine.train, mine.test
+            else:
+                self.data = data
             self.model = model_for(self.task, config.seed).to(self.device)
         self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
         #: Model downloads actually made (cache hits are not downloads).
@@ -451,8 +458,24 @@ class SiteDaemon:
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
+        held_out = self._evaluate(config)
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
+        if held_out:
+            result = replace(result, metrics={**result.metrics, **held_out})
         return ModelState(self.model.state_dict()), result
+
+    def _evaluate(self, config: RoundConfig) -> dict[str, float]:
+        """The global model (loaded in self.model) on the held-out set, as `site_eval_*`
+        metrics that travel with a plain update (a masked one carries no metrics)."""
+        if self.eval_data is None or self.model is None:
+            return {}
+        ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
+        log.info("held-out set (%d examples): loss %.4f %s", ev.num_examples, ev.loss, ev.metrics)
+        return {
+            "site_eval_loss": ev.loss,
+            "site_eval_examples": float(ev.num_examples),
+            **{f"site_eval_{k}": float(v) for k, v in ev.metrics.items()},
+        }
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks."""

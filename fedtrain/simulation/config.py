@@ -138,7 +138,9 @@ class SecAggSimSettings(SecAggSettings):
 @dataclass
 class SimConfig:
     task: str = option(doc="Task to run, as 'package.module:ClassName'.")
-    task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
+    task_options: dict[str, Any] = option(
+        {}, "Keyword arguments for the task's constructor.", env=True
+    )
     rounds: int = option(10, "Number of federated rounds (fedbuff: model versions).")
     num_clients: int = option(10, "Number of virtual clients the training set is split into.")
     seed: int = option(0, "Seed of every stochastic choice (model init, partition, sampling).")
@@ -153,7 +155,7 @@ class SimConfig:
         "sum; 0: one per CPU core (of the cluster for `ray`). Same seed and workers: the "
         "same model bit for bit on every backend (`inline` runs the shares in turn).",
     )
-    run_dir: str = option("runs/simulation", "Directory for config, metrics and models.")
+    run_dir: str = option("runs/simulation", "Directory for config, metrics and models.", env=True)
     eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
