@@ -1,4 +1,4 @@
-"""`fedtrain` command line: simulate | demo | server | client | status | report | ca.
+"""`fedtrain` command line: simulate | demo | server | client | status | report | export | ca.
 
 The CLI parses flags, sets up logging and turns `FedtrainError`s into one clear line
 and exit status 2; the work itself lives in the library.
@@ -138,17 +138,26 @@ def cmd_server(args: argparse.Namespace) -> int:
         if args.progress_jsonl:
             print(json.dumps(record, sort_keys=True), flush=True)
 
-    server = AggregationServer(config, insecure=args.insecure, resume=resume, on_round=on_round)
-    with stop_on_signals(server.coordinator.stop):
-        server.start()
-        try:
-            server.wait()
-        finally:
-            server.stop()
+    with _server_observers(config, resume, on_round) as observe:
+        server = AggregationServer(config, insecure=args.insecure, resume=resume, on_round=observe)
+        server.audit.subscribe(observe.on_audit)
+        observe.tag(
+            run_id=server.coordinator.run_id, task_fingerprint=server.coordinator.fingerprint
+        )
+        with stop_on_signals(server.coordinator.stop):
+            server.start()
+            try:
+                server.wait()
+            finally:
+                server.stop()
+        done = server.coordinator.global_model.round
+        if server.coordinator.error is not None:
+            observe.outcome = "FAILED"
+        elif done < config.rounds:
+            observe.outcome = "KILLED"  # stopped; --resume continues the same MLflow run
     if server.coordinator.error is not None:
         print(f"error: {server.coordinator.error}", file=sys.stderr)
         return 1
-    done = server.coordinator.global_model.round
     if done < config.rounds:
         log.info(
             "stopped after round %d of %d; continue with --resume %s",
@@ -157,6 +166,23 @@ def cmd_server(args: argparse.Namespace) -> int:
             server.run_dir.path,
         )
     return 0
+
+
+def _server_observers(config, resume: bool, on_round):
+    """The server's MLflow tracker (TensorBoard and Prometheus live in the server), with
+    `on_round` after it."""
+    import dataclasses
+
+    from fedtrain.observability.observers import observing
+
+    return observing(  # the fingerprint and run id are tagged once the server has them
+        config.run_dir,
+        tracking=config.tracking,
+        params=dataclasses.asdict(config),
+        tags=lambda: {"fedtrain.driver": "server", "fedtrain.task": config.task},
+        then=on_round,
+        resume=resume,
+    )
 
 
 def _resume_decision(run_dir: str, rounds: int) -> bool | None:
@@ -275,6 +301,14 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     page = write_report(args.run_dir)
     print(f"report: {page} (plots beside it)")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from fedtrain.export import SIDECAR, export_run
+
+    path = export_run(args.run_dir, args.out, checkpoint=args.checkpoint)
+    print(f"exported {path} and {path.with_name(SIDECAR)}")
     return 0
 
 
@@ -407,6 +441,18 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plots and an HTML summary of a run directory")
     report.add_argument("run_dir", type=Path, help="a run directory (simulation or server)")
     report.set_defaults(func=cmd_report)
+
+    export = sub.add_parser(
+        "export", help="write a run's model as safetensors with its names and a JSON card"
+    )
+    export.add_argument("run_dir", type=Path, help="a run directory (simulation or server)")
+    export.add_argument("--out", type=Path, help="folder to write to (default: the run dir)")
+    export.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="export the last checkpoint even when a final model exists",
+    )
+    export.set_defaults(func=cmd_export)
 
     ca = sub.add_parser("ca", help="federation certificate authority")
     ca_sub = ca.add_subparsers(dest="ca_command", required=True)

@@ -122,6 +122,12 @@ class Task(ABC):
             f"{type(dataset).__name__}; override labels() to return them"
         )
 
+    def export_names(self) -> Mapping[str, str]:
+        """State-dict name -> the name exported model files give that tensor, for the
+        names that differ (`fedtrain.export`); a wrapper whose module cannot carry the
+        real names (Flower's arrays p0, p1, ...) maps them back. Default: none differ."""
+        return {}
+
     @abstractmethod
     def train(
         self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext

@@ -23,13 +23,19 @@ In a deployment each site names its partition the way `flower-supernode
 
 The server builds the client of partition 0 once, only to read the initial arrays
 (`get_parameters`); it never calls `fit` or `evaluate` there.
+
+A NumPyClient's arrays have no names, so exported model files (`fedtrain export`,
+`model.safetensors`) would call them p0, p1, ...; `parameter_names` gives them the
+app's own names, in `get_parameters` order: a list, or "package.module:function"
+returning one (e.g. `[k for k in Net().state_dict()]`, or a Keras model's
+`[w.path for w in model.weights]`).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -104,12 +110,14 @@ class FlowerTask(Task):
         client_fn: str | Callable[..., Any],
         num_partitions: int,
         run_config: dict[str, Any] | None = None,
+        parameter_names: list[str] | str | None = None,
     ) -> None:
         if num_partitions < 1:
             raise ConfigError(f"num_partitions must be >= 1, got {num_partitions}")
         self.client_fn = _resolve(client_fn)
         self.num_partitions = num_partitions
         self.run_config = dict(run_config or {})
+        self.parameter_names = parameter_names
         ref = client_fn if isinstance(client_fn, str) else self.client_fn.__qualname__
         self.version = f"flower:{ref}"  # part of the fingerprint sites must share
         self._clients: dict[int, Any] = {}
@@ -173,6 +181,20 @@ class FlowerTask(Task):
         self._node_configs[partition_id] = dict(node_config)
         self._home = partition_id  # the site builds only its own client
         return Subset(PartitionIds(self.num_partitions), [partition_id])
+
+    def export_names(self) -> Mapping[str, str]:
+        """p0, p1, ... -> `parameter_names` (see the module docstring)."""
+        names = self.parameter_names
+        if names is None:
+            return {}
+        if isinstance(names, str):
+            names = _resolve(names)()
+        if not isinstance(names, list | tuple) or not all(isinstance(n, str) for n in names):
+            raise ConfigError(
+                f"parameter_names must be a list of names or 'module:function' returning one, "
+                f"got {names!r}"
+            )
+        return {f"p{i}": name for i, name in enumerate(names)}
 
     def labels(self, dataset: Dataset) -> torch.Tensor:
         raise TaskError(

@@ -10,8 +10,7 @@ dashboard reads well: `eval/accuracy`, `transfer/bytes_in`, `time/seconds`,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing, contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,21 +85,3 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
-
-
-@contextmanager
-def observing(
-    enabled: bool, run_dir: str | Path, then: RoundObserver | None
-) -> Iterator[RoundObserver | None]:
-    """`then`, preceded by a TensorBoard writer when `enabled` (closed on exit)."""
-    if not enabled:
-        yield then
-        return
-    with closing(TensorBoardWriter(run_dir)) as writer:
-
-        def observe(record: dict[str, Any]) -> None:
-            writer(record)
-            if then is not None:
-                then(record)
-
-        yield observe

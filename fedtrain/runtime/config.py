@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
+from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
@@ -163,6 +164,7 @@ class ServerConfig:
         "authentication: expose it only to your monitoring network.",
     )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
+    tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},

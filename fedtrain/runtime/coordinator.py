@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime.async_rounds import BufferedRounds
@@ -574,7 +575,16 @@ class Coordinator:
 
     def _complete(self) -> None:
         self.checkpoints.wait()
-        self.run_dir.save_model(self.global_model.state)
+        save_final_model(  # safetensors with the task's names + its card, then model.pt
+            self.run_dir,
+            self.task,
+            self.global_model.state,
+            task_ref=self.config.task,
+            server_round=self.global_model.round,
+            run_id=self.run_id,
+            metrics=self.last_metrics,
+            fingerprint=self.fingerprint,
+        )
         self.audit.record(
             "run_completed",
             run_id=self.run_id,

@@ -35,6 +35,7 @@ from fedtrain.simulation.engine import (
     ProgressCallback,
     SimulationResult,
     evaluate,
+    finish,
     prepare,
 )
 from fedtrain.simulation.events import ClientResult
@@ -275,7 +276,7 @@ def run_buffered(
                     "strategy.max_staleness or lower heterogeneity.dropout_rate"
                 )
             clients.start(1)  # the finished client's slot, from the current version
-    prepared.run_dir.save_model(global_state)
+    finish(config, task, prepared.run_dir, global_state, result.history)
     result.model = global_state
     return result
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
+from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.strategy import Strategy, build_strategy
@@ -158,6 +159,7 @@ class SimConfig:
     run_dir: str = option("runs/simulation", "Directory for config, metrics and models.", env=True)
     eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
     tensorboard: bool = option(False, TENSORBOARD_DOC)
+    tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     heterogeneity: HeterogeneityConfig = section(

@@ -20,7 +20,8 @@ import numpy as np
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedtrain.observability.tensorboard import observing
+from fedtrain.export import new_run_id, save_final_model
+from fedtrain.observability.observers import observing
 from fedtrain.run_dir import RunDir
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
@@ -31,7 +32,14 @@ from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.simulation.worker import WorkerSetup
 from fedtrain.strategy import Strategy, WeightedSum
-from fedtrain.task import Task, TaskContext, load_task, model_for, resolve_device
+from fedtrain.task import (
+    Task,
+    TaskContext,
+    load_task,
+    model_for,
+    resolve_device,
+    task_fingerprint,
+)
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
@@ -100,10 +108,34 @@ def run_simulation(
     if task is None or strategy is None:
         built_task, built_strategy = build_from_config(config)
         task, strategy = task or built_task, strategy or built_strategy
-    if strategy.asynchronous:
-        from fedtrain.simulation.async_engine import run_buffered
+    chosen = task
+    with observing(
+        config.run_dir,
+        tensorboard=config.tensorboard,
+        tracking=config.tracking,
+        params=dataclasses.asdict(config),
+        tags=lambda: {
+            "fedtrain.driver": "simulation",
+            "fedtrain.task": config.task,
+            "fedtrain.task_fingerprint": task_fingerprint(chosen),
+        },
+        then=on_round,
+    ) as observe:
+        if strategy.asynchronous:
+            from fedtrain.simulation.async_engine import run_buffered
 
-        return run_buffered(config, task, strategy, on_round, on_progress)
+            return run_buffered(config, task, strategy, observe, on_progress)
+        return _run_rounds(config, task, strategy, observe, on_progress)
+
+
+def _run_rounds(
+    config: SimConfig,
+    task: Task,
+    strategy: Strategy,
+    on_round: Callable[[dict[str, Any]], None],
+    on_progress: ProgressCallback | None,
+) -> SimulationResult:
+    """The synchronous round loop of `run_simulation`."""
     run_dir, train, test, population, heterogeneity, model, global_state, setup = prepare(
         config, task
     )
@@ -112,10 +144,7 @@ def run_simulation(
     if secure is not None:
         secure.check(strategy, len(population))
     result = SimulationResult(global_state)
-    with (
-        observing(config.tensorboard, run_dir.path, on_round) as on_round,
-        open_backend(config, setup, (train, population)) as backend,
-    ):
+    with open_backend(config, setup, (train, population)) as backend:
         log.info(
             "simulating %d clients on the %s backend with %d workers",
             len(population),
@@ -147,11 +176,30 @@ def run_simulation(
             record["seconds"] = time.perf_counter() - start
             run_dir.log_metrics(record)
             result.history.append(record)
-            if on_round is not None:
-                on_round(record)
-    run_dir.save_model(global_state)
+            on_round(record)
+    finish(config, task, run_dir, global_state, result.history)
     result.model = global_state
     return result
+
+
+def finish(
+    config: SimConfig,
+    task: Task,
+    run_dir: RunDir,
+    state: ModelState,
+    history: list[dict[str, Any]],
+) -> None:
+    """Save the final model: safetensors with the task's names and its card, then
+    model.pt (`fedtrain.export.save_final_model`)."""
+    save_final_model(
+        run_dir,
+        task,
+        state,
+        task_ref=config.task,
+        server_round=history[-1]["round"] if history else 0,
+        run_id=new_run_id(),
+        metrics=history[-1] if history else {},
+    )
 
 
 def train_round(
