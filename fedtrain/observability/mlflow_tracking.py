@@ -116,9 +116,15 @@ class MlflowTracker:
         self.log_model = config.log_model
         #: Calls the tracking store refused (each is logged; the run goes on).
         self._failures = 0
-        self._client = MlflowClient(tracking_uri=self.uri)
-        resumed = self._resume() if resume else None
-        self.run_id = resumed or self._start(config, params, tags)
+        try:
+            self._client = MlflowClient(tracking_uri=self.uri)
+            resumed = self._resume() if resume else None
+            self.run_id = resumed or self._start(config, params, tags)
+        except Exception as exc:  # before the first round: refuse to start, say why
+            raise ConfigError(
+                f"tracking: cannot open an MLflow run in {self.uri} (tracking.mlflow_uri): "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
 
     # -- the run --------------------------------------------------------------------------
     def _resume(self) -> str | None:
