@@ -1,0 +1,1 @@
+"""An example federation task package (see clients/README.md, "Images")."""
