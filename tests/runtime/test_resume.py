@@ -60,12 +60,20 @@ def test_the_service_unit_and_the_container_restart_by_the_run_dirs_own_rule() -
     args = build_parser().parse_args(argv[1:])
     assert args.func is cmd_server and args.resume_if_present and args.resume is None
     container = (ROOT / "server" / "Containerfile").read_text()
-    (entry,) = [x for x in container.splitlines() if x.startswith("ENTRYPOINT ")]
-    entry_argv = json.loads(entry.removeprefix("ENTRYPOINT "))
+    # ENTRYPOINT fedtrain + CMD: what `podman run IMAGE` runs (Kubernetes' args replace CMD)
+    entry_argv = [
+        *json.loads(_instruction(container, "ENTRYPOINT")),
+        *json.loads(_instruction(container, "CMD")),
+    ]
     assert entry_argv[0] == "fedtrain"
     assert build_parser().parse_args(entry_argv[1:]).resume_if_present
     unit = (ROOT / "server" / "fedtrain-server.service").read_text()
     assert "\nLimitNOFILE=65536\n" in unit  # one socket per site; 1024 is too few
+
+
+def _instruction(containerfile: str, name: str) -> str:
+    (line,) = [x for x in containerfile.splitlines() if x.startswith(f"{name} ")]
+    return line.removeprefix(f"{name} ")
 
 
 # -- crashes around the checkpoint ---------------------------------------------------------------
