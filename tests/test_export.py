@@ -109,3 +109,24 @@ def test_tied_weights_are_exported_as_separate_tensors():
     tensors, _ = exported_state(FlowerTask(_two_arrays, 1), state)
     assert tensors["embed.weight"].data_ptr() != tensors["head.weight"].data_ptr()
     assert torch.equal(tensors["embed.weight"], tensors["head.weight"])
+
+
+def test_export_of_an_unfinished_server_run_takes_its_checkpoint_and_run_id(tmp_path: Path):
+    from fedtrain.examples import BreastCancerTask
+    from fedtrain.run_dir import RunDir
+    from fedtrain.task import model_for
+
+    run = RunDir(tmp_path / "run")
+    run.write_config({"task": SIM["task"], "task_options": {}})
+    state = ModelState.from_module(model_for(BreastCancerTask(), 0))
+    run.save_checkpoint(4, state, {}, extra={"run_id": "abc123def456"})
+    run.log_metrics({"round": 4, "accuracy": 0.75, "dropped": ["x"]})
+    assert main(["export", str(run.path)]) == 0
+    card = json.loads((run.path / "model.json").read_text())
+    assert (card["round"], card["run_id"], card["metrics"]) == (
+        4,
+        "abc123def456",
+        {"round": 4.0, "accuracy": 0.75},
+    )
+    assert torch.equal(load_file(run.path / "model.safetensors")["weight"], state["weight"])
+    assert not run.model_path.exists()  # an export never marks a run complete
