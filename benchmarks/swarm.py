@@ -421,7 +421,7 @@ def _status_seconds(address: str) -> float:
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.FedtrainStub(channel)
         start = time.perf_counter()
-        stub.Status(pb.Empty(), timeout=60)
+        stub.Status(pb.StatusRequest(), timeout=60)
         return time.perf_counter() - start
 
 

@@ -33,7 +33,7 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry, instruct
+from fedtrain.runtime.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
@@ -338,7 +338,7 @@ class Coordinator:
             )
         for site, session in sessions.items():
             if session is None:
-                state.outcomes[site] = Outcome.DROPPED
+                state.set_outcome(site, Outcome.DROPPED)
         self.current = state
         deadline_unix = time.time() + self.config.round_timeout_s
         log.info(
@@ -347,7 +347,7 @@ class Coordinator:
             attempt,
             len(plan),
             model.version[:12],
-            ", ".join(sorted(plan)),
+            summarize_sites(sorted(plan)),
         )
         self.audit.record(
             "round_started",
@@ -431,7 +431,7 @@ class Coordinator:
             log.warning(
                 "round %d finished without %s",
                 server_round,
-                ", ".join(summary.dropped + summary.failed),
+                summarize_sites(summary.dropped + summary.failed),
             )
         self.record_round(
             record,

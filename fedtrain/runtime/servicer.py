@@ -1,21 +1,32 @@
 """The gRPC face of the aggregation server: admission, control streams, bulk transfers.
 
 Every request from a site is untrusted. Admission checks the site's identity (its
-certificate under mutual TLS), the allow-list, the protocol version and the task
-fingerprint. Bulk RPCs must carry the token of a live control session belonging to
-the same certificate. Uploads are validated, journaled and folded chunk by chunk (see
-`upload.py`); whatever is wrong becomes a gRPC status naming site, round and tensor,
-an audit record and a log line, and never an exception that escapes a handler.
+certificate under mutual TLS), the allow-list, the protocol version, the task
+fingerprint and the server's capacity. Bulk RPCs must carry the token of a live
+control session belonging to the same certificate. Uploads are validated, journaled
+and folded chunk by chunk (see `upload.py`); whatever is wrong becomes a gRPC status
+naming site, round and tensor, an audit record and a log line, and never an exception
+that escapes a handler.
+
+The handlers are coroutines on the server's event loop (`grpc.aio`): a connected
+site costs a coroutine and a socket, never a thread. Work that takes the round's
+locks or the CPU (validating and folding chunks, protocol messages, joins and leaves,
+which reach the coordinator's state) runs on a small fixed pool (`cpu_threads`), so
+the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
+downloads and uploads moved at once, so journal memory and open files stay bounded
+however many sites there are.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import logging
-import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -23,10 +34,9 @@ from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.coordinator import Coordinator
+from fedtrain.runtime.coordinator import Coordinator, GlobalModel
 from fedtrain.runtime.encoded_upload import DecodingSpool
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
@@ -35,9 +45,27 @@ from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 
-class FedtrainServicer(pb_grpc.FedtrainServicer):
-    """Implements the Fedtrain service on top of a `Coordinator`."""
+#: All sites' heartbeats together stay under this many messages per second: a larger
+#: federation is told a longer interval when it joins (keepalive pings, answered by
+#: gRPC itself, and any bytes received are what keep a site alive in between).
+HEARTBEATS_PER_S = 200.0
+#: A site refused for capacity waits about this long (with jitter) before it retries.
+CAPACITY_RETRY_S = 30.0
+#: Models up to this size are encoded for the wire once per version and the same
+#: bytes are sent to every site; larger ones are encoded chunk by chunk per download
+#: (a second copy of a large model would cost more memory than the encoding saves).
+SHARED_DOWNLOAD_BYTES = 256 << 20
+
+
+def heartbeat_interval(configured_s: float, connected: int) -> float:
+    """The heartbeat period a site is told on joining (see `HEARTBEATS_PER_S`)."""
+    return max(configured_s, connected / HEARTBEATS_PER_S)
+
+
+class FedtrainServicer:
+    """Implements the Fedtrain service on top of a `Coordinator` (see the module doc)."""
 
     def __init__(
         self,
@@ -48,6 +76,8 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         *,
         secure: bool,
         spool_dir: Path,
+        cpu: Executor,
+        max_sites: int,
     ) -> None:
         self.config = config
         self.coordinator = coordinator
@@ -55,37 +85,55 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.audit = audit
         self.secure = secure
         self.spool_dir = spool_dir
+        self.cpu = cpu
+        self.max_sites = max_sites
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
-        # Each site holds a worker thread for its control stream; keep room for transfers.
-        self.max_sites = max(1, config.max_workers // 2 - 1)
+        self._transfer_slots: asyncio.Semaphore | None = None
+        self._downloads = SharedDownloads(config.chunk_bytes)
+
+    @property
+    def transfer_slots(self) -> asyncio.Semaphore:
+        """`max_transfers` slots, created on the server's loop at first use."""
+        if self._transfer_slots is None:
+            self._transfer_slots = asyncio.Semaphore(self.config.max_transfers)
+        return self._transfer_slots
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the CPU pool (it may take the round's locks or the CPU)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.cpu, functools.partial(fn, *args))
 
     # -- Control ----------------------------------------------------------------------------
-    def Control(
-        self, request_iterator: Iterator[pb.SiteMessage], context: grpc.ServicerContext
-    ) -> Iterator[pb.ServerMessage]:
+    async def Control(
+        self, request_iterator: AsyncIterator[pb.SiteMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ServerMessage]:
         try:
-            first = next(request_iterator)
-        except (StopIteration, grpc.RpcError):
+            first = await anext(request_iterator)
+        except (StopAsyncIteration, grpc.RpcError):
             return
         if first.WhichOneof("kind") != "join":
             yield _reject("the first message on the control stream must be a Join")
             return
-        site, reason = self._admit(first.join, context)
+        site, reason, retry_after = self._admit(first.join, context)
         if reason is not None:
             log.warning("refused %s (%s): %s", site or "a peer", context.peer(), reason)
             self.audit.record("join_refused", site=site, peer=context.peer(), reason=reason)
-            yield _reject(reason)
+            yield _reject(reason, retry_after)
             return
+        assert site is not None
         if self.coordinator.finished.is_set():
             yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
             return
-        session, replaced = self.registry.add(site, context.peer())
+        hb = self.config.heartbeat
+        interval = heartbeat_interval(hb.interval_s, len(self.registry) + 1)
+        session = Session(site, context.peer(), timeout_s=hb.timeout_s * interval / hb.interval_s)
+        session.open_outbox()
+        replaced = await self._run(self.registry.add, session)
         if replaced is not None:
-            self.registry.remove(replaced, "replaced by a new connection from the same site")
-        if not context.add_callback(lambda: self._end(session, "control stream closed")):
-            self._end(session, "control stream closed while joining")
-            return
+            await self._run(
+                self.registry.remove, replaced, "replaced by a new connection from the same site"
+            )
         log.info("site %r joined from %s", site, context.peer())
         self.audit.record(
             "join", site=site, peer=context.peer(), fingerprint=first.join.task_fingerprint
@@ -94,28 +142,32 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             run_id=self.coordinator.run_id,
             session_token=session.token,
             site_name=site,
-            heartbeat_interval_s=self.config.heartbeat.interval_s,
+            heartbeat_interval_s=interval,
             chunk_bytes=self.config.chunk_bytes,
             secagg=self.config.secagg.enabled,
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
-        yield pb.ServerMessage(welcome=welcome)
-        threading.Thread(
-            target=self._read, args=(session, request_iterator), name=f"control-{site}", daemon=True
-        ).start()
-        while True:
-            message = session.outbox.get()
-            if message is None:
-                return
-            yield message
+        reader = asyncio.create_task(self._read(session, request_iterator))
+        try:
+            yield pb.ServerMessage(welcome=welcome)
+            while (message := await session.next_message()) is not None:
+                yield message
+        finally:  # the site left, the stream broke (keepalive), or the server stops
+            reader.cancel()
+            self._leave(session, "control stream closed")
 
-    def _admit(self, join: pb.Join, context: grpc.ServicerContext) -> tuple[str | None, str | None]:
-        """(site name, None) if the site may join, else (name if known, reason)."""
+    def _admit(
+        self, join: pb.Join, context: grpc.aio.ServicerContext
+    ) -> tuple[str | None, str | None, float]:
+        """(site name, None, 0) if the site may join, else (name if known, reason,
+        seconds after which trying again may succeed; 0 if it will not)."""
         if join.protocol_version != wire.PROTOCOL_VERSION:
-            return join.site_name or None, (
+            return (
+                join.site_name or None,
                 f"protocol version {join.protocol_version} is not supported (server speaks "
-                f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server"
+                f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server",
+                0.0,
             )
         if self.secure:
             site = tls.peer_site_name(context)
@@ -123,48 +175,64 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 return (
                     None,
                     "no valid site certificate was presented (need clientAuth, CN = site name)",
+                    0.0,
                 )
             if join.site_name and join.site_name != site:
-                return site, (
-                    f"the Join names site {join.site_name!r} but the certificate is for {site!r}; "
-                    "fix `name` in site.toml or leave it empty"
+                return (
+                    site,
+                    f"the Join names site {join.site_name!r} but the certificate is for "
+                    f"{site!r}; fix `name` in site.toml or leave it empty",
+                    0.0,
                 )
         else:
             try:
                 site = tls.validate_site_name(join.site_name)
             except ConfigError as exc:
-                return join.site_name or None, f"without TLS the Join must carry a site name: {exc}"
+                return (
+                    join.site_name or None,
+                    f"without TLS the Join must carry a site name: {exc}",
+                    0.0,
+                )
         allowed = self.config.allowed_sites
         if allowed and site not in allowed:
-            return site, (
+            return (
+                site,
                 f"site {site!r} is not on this server's allowed_sites ({', '.join(allowed)}); "
-                "the server operator must add it to server.toml"
+                "the server operator must add it to server.toml",
+                0.0,
             )
         if join.task_fingerprint != self.coordinator.fingerprint:
-            return site, (
+            return (
+                site,
                 f"task fingerprint mismatch: site {site!r} runs fingerprint "
                 f"{join.task_fingerprint or '(none)'}, the server runs "
                 f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
-                "same task code and version at the site"
+                "same task code and version at the site",
+                0.0,
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
-            return site, (
+            return (
+                site,
                 f"site {site!r} does not speak the secure aggregation this server runs "
                 f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
-                "fedtrain version; install the same fedtrain version as the server at the site"
+                "fedtrain version; install the same fedtrain version as the server at the site",
+                0.0,
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return site, (
-                f"the server is at capacity ({self.max_sites} sites); the operator must "
-                "raise max_workers in server.toml"
+            return (
+                site,
+                f"the server is at capacity ({self.max_sites} sites connected); retry later. "
+                "The operator can raise max_sites in server.toml, or the server's file limit "
+                "(LimitNOFILE in its service unit)",
+                CAPACITY_RETRY_S,
             )
-        return site, None
+        return site, None, 0.0
 
-    def _read(self, session: Session, request_iterator: Iterator[pb.SiteMessage]) -> None:
-        """Consume a site's control messages (its own thread: the handler is busy sending)."""
+    async def _read(self, session: Session, requests: AsyncIterator[pb.SiteMessage]) -> None:
+        """Consume a site's control messages (a task beside the handler that sends)."""
         reason = "control stream ended by the site"
         try:
-            for message in request_iterator:
+            async for message in requests:
                 session.touch()
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
@@ -177,17 +245,16 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     self.audit.record(
                         "site_error", site=session.site, round=err.round, message=err.message
                     )
-                    self.coordinator.site_failed(session, err.round, err.message)
+                    await self._run(self.coordinator.site_failed, session, err.round, err.message)
                 elif kind == "secagg":
-                    self._secagg(session, message.secagg)
+                    await self._run(self._secagg, session, message.secagg)
                 else:
                     reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
                     log.warning("site %r: %s", session.site, reason)
                     break
         except grpc.RpcError:
             reason = "control stream broke"
-        finally:
-            self._end(session, reason)
+        self._leave(session, reason)
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
@@ -205,21 +272,25 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 "secagg_refused", site=session.site, round=message.round, reason=str(exc)
             )
 
-    def _end(self, session: Session, reason: str) -> None:
-        self.registry.remove(session, reason)  # idempotent; the server audits every leave
+    def _leave(self, session: Session, reason: str) -> None:
+        """End the session (idempotent; the server audits every leave). Not awaited: it
+        runs on the pool (leave listeners reach the round's state) even while the
+        stream's handler is being torn down."""
+        if not session.closed:
+            self.cpu.submit(self.registry.remove, session, reason)
 
     # -- bulk transfers ----------------------------------------------------------------------
-    def _session(self, token: str, context: grpc.ServicerContext, what: str) -> Session:
+    async def _session(self, token: str, context: grpc.aio.ServicerContext, what: str) -> Session:
         session = self.registry.by_token(token)
         if session is None:
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{what} from {context.peer()}: unknown session token (the session ended or "
                 "the server restarted); the site must rejoin on its control stream first",
             )
         if self.secure and tls.peer_site_name(context) != session.site:
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{what}: the session belongs to site {session.site!r}, not to this "
@@ -228,46 +299,52 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         session.touch()
         return session
 
-    def _deny(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    async def _deny(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+    ) -> NoReturn:
         """Refuse a bulk request that belongs to no (valid) session: log, audit, abort."""
         log.warning("refused: %s", message)
         self.audit.record("request_refused", peer=context.peer(), code=code.name, reason=message)
-        _abort(context, code, message)
+        await _abort(context, code, message)
 
-    def DownloadModel(
-        self, request: pb.ModelRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.ModelPiece | object]:
-        session = self._session(request.session_token, context, "model download")
-        model = self.coordinator.model_for_download(session, request.version)
+    async def DownloadModel(
+        self, request: pb.ModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | Chunk | pb.ModelPiece]:
+        session = await self._session(request.session_token, context, "model download")
+        model = await self._run(self.coordinator.model_for_download, session, request.version)
         if model is None:
             current = self.coordinator.global_model
-            _abort(
+            await _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {session.site!r} asked for model {request.version[:12]}, but the current "
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
-        yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
-        for chunk in model.state.chunks(self.config.chunk_bytes):
-            self.coordinator.transfers.add(sent=len(chunk.data))
-            yield chunk  # serialized straight from the tensor's memory (wire.serialize_stream_item)
+        async with self.transfer_slots:
+            yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
+            for piece, size in await self._downloads.pieces(model, self._run):
+                self.coordinator.transfers.add(sent=size)
+                session.touch()
+                yield piece  # bytes or a Chunk: wire.serialize_stream_item
 
-    def UploadUpdate(
-        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    async def UploadUpdate(
+        self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
     ) -> pb.UploadReceipt:
         try:
-            first = next(request_iterator)
-        except StopIteration:
-            self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            await self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
         except grpc.RpcError:
             return pb.UploadReceipt()  # the site cancelled before sending anything
         if isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
-            self._deny(
+            await self._deny(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its header"
             )
         header = first.header
-        session = self._session(header.session_token, context, f"upload for round {header.round}")
+        session = await self._session(
+            header.session_token, context, f"upload for round {header.round}"
+        )
         state = self.coordinator.current
         where = f"site {session.site!r}, round {header.round}"
         try:
@@ -276,65 +353,44 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{where}: no round is in progress; update dropped",
                 )
-            secure = isinstance(state, SecureRoundState)
-            if header.masked != secure:
-                raise UploadRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{where}: "
-                    + (
-                        "this round runs secure aggregation; a plain (unmasked) update is refused"
-                        if secure
-                        else "a masked update, but this round does not run secure aggregation"
-                    ),
-                )
-            if not header.masked and (header.codec or "none") != self.codec.name:
-                raise UploadRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: update encoded with codec {header.codec or 'none'!r}, but this "
-                    f"server decodes compression.codec = {self.codec.name!r} (sites learn it "
-                    "when they join: a site that joined another server must reconnect)",
-                )
-            if not header.masked and header.num_examples < 1:
-                raise UploadRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: num_examples must be >= 1 (it weights the update), got "
-                    f"{header.num_examples}",
-                )
-            state.admit(session, header.round, header.model_version)
+            self._check_header(state, header, where)
+            await self._run(state.admit, session, header.round, header.model_version)
         except UploadRefused as exc:
-            self._refuse(context, session, header.round, exc.code, str(exc))
-        try:
-            if isinstance(state, SecureRoundState):
-                received = self._receive_masked(state, session, header, request_iterator)
-            else:
-                received = self._receive(state, session, header, request_iterator)
-        except grpc.RpcError:
-            state.abandon(session.site)
-            log.warning("%s: the upload stream broke off; partial update discarded", where)
-            self.audit.record("upload_aborted", site=session.site, round=header.round)
-            return pb.UploadReceipt()
-        except UploadRefused as exc:
-            state.abandon(session.site)
-            self._refuse(context, session, header.round, exc.code, str(exc))
-        except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-            state.abandon(session.site)
-            self._refuse(
-                context,
-                session,
-                header.round,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: update rejected: {exc}",
-            )
-        except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-            state.abandon(session.site)
-            log.exception("%s: the upload failed on the server", where)
-            self._refuse(
-                context,
-                session,
-                header.round,
-                grpc.StatusCode.INTERNAL,
-                f"{where}: the server failed to store the update ({exc}); it may be retried",
-            )
+            await self._refuse(context, session, header.round, exc.code, str(exc))
+        assert state is not None
+        async with self.transfer_slots:
+            try:
+                if isinstance(state, SecureRoundState):
+                    received = await self._receive_masked(state, session, header, request_iterator)
+                else:
+                    received = await self._receive(state, session, header, request_iterator)
+            except (grpc.RpcError, asyncio.CancelledError):
+                log.warning("%s: the upload stream broke off; partial update discarded", where)
+                self.audit.record("upload_aborted", site=session.site, round=header.round)
+                await asyncio.shield(self._run(state.abandon, session.site))
+                return pb.UploadReceipt()
+            except UploadRefused as exc:
+                await self._run(state.abandon, session.site)
+                await self._refuse(context, session, header.round, exc.code, str(exc))
+            except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
+                await self._run(state.abandon, session.site)
+                await self._refuse(
+                    context,
+                    session,
+                    header.round,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: update rejected: {exc}",
+                )
+            except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
+                await self._run(state.abandon, session.site)
+                log.exception("%s: the upload failed on the server", where)
+                await self._refuse(
+                    context,
+                    session,
+                    header.round,
+                    grpc.StatusCode.INTERNAL,
+                    f"{where}: the server failed to store the update ({exc}); it may be retried",
+                )
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -351,12 +407,39 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         )
         return pb.UploadReceipt(round=header.round, bytes_received=received)
 
-    def _receive(
+    def _check_header(self, state: Any, header: pb.UploadHeader, where: str) -> None:
+        """Refuse a header that cannot belong to the round in progress."""
+        secure = isinstance(state, SecureRoundState)
+        if header.masked != secure:
+            raise UploadRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: "
+                + (
+                    "this round runs secure aggregation; a plain (unmasked) update is refused"
+                    if secure
+                    else "a masked update, but this round does not run secure aggregation"
+                ),
+            )
+        if not header.masked and (header.codec or "none") != self.codec.name:
+            raise UploadRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: update encoded with codec {header.codec or 'none'!r}, but this "
+                f"server decodes compression.codec = {self.codec.name!r} (sites learn it "
+                "when they join: a site that joined another server must reconnect)",
+            )
+        if not header.masked and header.num_examples < 1:
+            raise UploadRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: num_examples must be >= 1 (it weights the update), got "
+                f"{header.num_examples}",
+            )
+
+    async def _receive(
         self,
         state: RoundState,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
     ) -> int:
         """Validate, journal and fold one upload as it arrives; returns the bytes received.
 
@@ -374,23 +457,31 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
             )
         )
-        with spool:
-            try:
-                for chunk in self._chunks(session, header, request_iterator):
-                    state.fold(session.site, spool, spool.add(chunk), weight)
-                spool.finish()
-                state.commit(session, spool, header.num_examples, dict(header.metrics))
-            except BaseException:
-                state.abandon(session.site)
-                raise
-            return spool.bytes_received
 
-    def _receive_masked(
+        def fold(chunk: Chunk) -> None:
+            state.fold(session.site, spool, spool.add(chunk), weight)
+
+        def finish() -> None:
+            spool.finish()
+            state.commit(session, spool, header.num_examples, dict(header.metrics))
+
+        try:
+            async for chunk in self._chunks(session, header, request_iterator):
+                await self._run(fold, chunk)
+            await self._run(finish)
+        except BaseException:
+            await asyncio.shield(self._run(state.abandon, session.site))
+            raise
+        finally:
+            await asyncio.shield(self._run(spool.close))
+        return spool.bytes_received
+
+    async def _receive_masked(
         self,
         state: SecureRoundState,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
     ) -> int:
         """Validate a masked vector chunk by chunk and fold each into the secure sum at once
         (no spool: it is uniformly random, and a broken stream is taken back out)."""
@@ -399,19 +490,19 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             self.config.chunk_bytes,
             lambda offset, values: state.fold_masked(session, offset, values),
         )
-        for chunk in self._chunks(session, header, request_iterator):
-            upload.add(chunk)
+        async for chunk in self._chunks(session, header, request_iterator):
+            await self._run(upload.add, chunk)
         upload.finish()
         return upload.bytes_received
 
-    def _chunks(
+    async def _chunks(
         self,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
-    ) -> Iterator[Chunk]:
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+    ) -> AsyncIterator[Chunk]:
         """The chunks after an upload's header (counted as received); a second header is refused."""
-        for message in request_iterator:
+        async for message in request_iterator:
             chunk = wire.stream_chunk(message)
             if chunk is None:
                 raise UploadRefused(
@@ -419,11 +510,12 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
             self.coordinator.transfers.add(received=len(chunk.data))
+            session.touch()
             yield chunk
 
-    def _refuse(
+    async def _refuse(
         self,
-        context: grpc.ServicerContext,
+        context: grpc.aio.ServicerContext,
         session: Session,
         server_round: int,
         code: grpc.StatusCode,
@@ -433,19 +525,56 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.audit.record(
             "upload_rejected", site=session.site, round=server_round, code=code.name, reason=message
         )
-        _abort(context, code, message)
+        await _abort(context, code, message)
 
     # -- Status ------------------------------------------------------------------------------
-    def Status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatusReply:
-        return status.to_proto(status.server_state(self.coordinator, self.registry))
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        page = status.SitePage(request.sites_offset, request.max_sites or status.DEFAULT_PAGE)
+        state = await self._run(status.server_state, self.coordinator, self.registry, page)
+        return status.to_proto(state)
 
 
-def _reject(reason: str) -> pb.ServerMessage:
-    return pb.ServerMessage(reject=pb.Reject(reason=reason))
+class SharedDownloads:
+    """The current model's wire encoding, made once per version for small models.
+
+    Thousands of sites downloading the same 400 KB model each round would otherwise
+    encode (copy) it thousands of times; with it, each chunk's bytes are built once and
+    the same object is handed to every site's stream.
+    """
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._version = ""
+        self._encoded: asyncio.Future[list[tuple[bytes, int]]] | None = None
+
+    async def pieces(
+        self, model: GlobalModel, run: Callable[..., Any]
+    ) -> Iterable[tuple[bytes | Chunk, int]]:
+        """(what to yield, tensor bytes) for every chunk of `model`."""
+        if model.state.nbytes > SHARED_DOWNLOAD_BYTES:
+            return ((c, len(c.data)) for c in model.state.chunks(self.chunk_bytes))
+        if self._version != model.version or self._encoded is None:
+            self._version = model.version
+            self._encoded = asyncio.ensure_future(run(self._encode, model))
+        return await asyncio.shield(self._encoded)
+
+    def _encode(self, model: GlobalModel) -> list[tuple[bytes, int]]:
+        return [
+            (wire.encode_chunk_message(c), len(c.data))
+            for c in model.state.chunks(self.chunk_bytes)
+        ]
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
+def _reject(reason: str, retry_after_s: float = 0.0) -> pb.ServerMessage:
+    return pb.ServerMessage(reject=pb.Reject(reason=reason, retry_after_s=retry_after_s))
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
@@ -469,7 +598,7 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
         ),
         "Status": grpc.unary_unary_rpc_method_handler(
             servicer.Status,
-            request_deserializer=pb.Empty.FromString,
+            request_deserializer=pb.StatusRequest.FromString,
             response_serializer=pb.StatusReply.SerializeToString,
         ),
     }

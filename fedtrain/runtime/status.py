@@ -10,6 +10,7 @@ The client side (`fetch_status`) is what `fedtrain status` calls.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -24,8 +25,25 @@ if TYPE_CHECKING:
     from fedtrain.runtime.sessions import SessionRegistry
 
 
+#: Sites a Status reply lists unless asked for more (a federation may have thousands).
+DEFAULT_PAGE = 100
+
+
 class ServerUnreachable(FedtrainError):
     """`fedtrain status` could not get an answer from the server."""
+
+
+@dataclass(frozen=True)
+class SitePage:
+    """Which connected sites a snapshot lists, sorted by name: `limit` from `offset`
+    (None: all of them, for Prometheus)."""
+
+    offset: int = 0
+    limit: int | None = DEFAULT_PAGE
+
+    def of(self, names: list[str]) -> list[str]:
+        end = None if self.limit is None else self.offset + self.limit
+        return names[self.offset : end]
 
 
 def phase(coordinator: Coordinator, connected: int) -> str:
@@ -43,10 +61,15 @@ def phase(coordinator: Coordinator, connected: int) -> str:
     return "between_rounds"
 
 
-def server_state(coordinator: Coordinator, registry: SessionRegistry) -> ServerState:
-    """A snapshot of the federation (see the module docstring)."""
+def server_state(
+    coordinator: Coordinator, registry: SessionRegistry, page: SitePage | None = None
+) -> ServerState:
+    """A snapshot of the federation (see the module docstring); `page` picks the sites
+    it lists (default: every one)."""
     now = time.monotonic()
     sessions = registry.sessions()
+    by_name = {s.site: s for s in sessions}
+    listed = (page or SitePage(limit=None)).of(sorted(by_name))
     state = coordinator.current
     model = coordinator.global_model
     metrics = {
@@ -67,10 +90,11 @@ def server_state(coordinator: Coordinator, registry: SessionRegistry) -> ServerS
         model_version=model.version,
         finished=coordinator.finished.is_set(),
         sites=tuple(
-            SiteState(s.site, now - s.joined_at, now - s.last_seen)
-            for s in sorted(sessions, key=lambda s: s.site)
+            SiteState(name, now - by_name[name].joined_at, now - by_name[name].last_seen)
+            for name in listed
         ),
         last_metrics=metrics,
+        connected_sites=len(sessions),
     )
 
 
@@ -96,6 +120,7 @@ def to_proto(state: ServerState) -> pb.StatusReply:
             for s in state.sites
         ],
         last_metrics=dict(state.last_metrics),
+        connected_sites=state.connected,
     )
 
 
@@ -116,6 +141,7 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
             SiteState(s.name, s.connected_for_s, s.last_heartbeat_age_s) for s in reply.sites
         ),
         last_metrics=dict(reply.last_metrics),
+        connected_sites=reply.connected_sites,
     )
 
 
@@ -125,8 +151,11 @@ def fetch_status(
     *,
     server_name: str = "",
     timeout_s: float = 10.0,
+    page: SitePage | None = None,
 ) -> ServerState:
-    """Ask the server at `address` for its state; `credentials=None`: no TLS."""
+    """Ask the server at `address` for its state; `credentials=None`: no TLS. The reply
+    lists the sites of `page` (default: the first `DEFAULT_PAGE`)."""
+    page = page or SitePage()
     options: list[tuple[str, str]] = []
     if credentials is None:
         channel = grpc.insecure_channel(address, options=options)
@@ -137,11 +166,12 @@ def fetch_status(
     with channel:
         status = channel.unary_unary(
             rpc.method_path("Status"),
-            request_serializer=pb.Empty.SerializeToString,
+            request_serializer=pb.StatusRequest.SerializeToString,
             response_deserializer=pb.StatusReply.FromString,
         )
         try:
-            reply = status(pb.Empty(), timeout=timeout_s, wait_for_ready=False)
+            request = pb.StatusRequest(sites_offset=page.offset, max_sites=page.limit or 0)
+            reply = status(request, timeout=timeout_s, wait_for_ready=False)
         except grpc.RpcError as exc:
             message = _unreachable(address, exc, tls=credentials is not None)
             raise ServerUnreachable(message) from None

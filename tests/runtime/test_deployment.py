@@ -100,11 +100,11 @@ def test_foreign_ca_and_unlisted_sites_are_refused(tmp_path: Path) -> None:
         with grpc.secure_channel(f"127.0.0.1:{dep.port}", credentials) as channel:
             status = channel.unary_unary(
                 wire.method_path("Status"),
-                request_serializer=pb.Empty.SerializeToString,
+                request_serializer=pb.StatusRequest.SerializeToString,
                 response_deserializer=pb.StatusReply.FromString,
             )
             with pytest.raises(grpc.RpcError) as info:
-                status(pb.Empty(), timeout=10)
+                status(pb.StatusRequest(), timeout=10)
             assert info.value.code() is grpc.StatusCode.UNAVAILABLE
         dep.start_site("good")
         assert dep.wait_server(60) == 0, dep.log("server")

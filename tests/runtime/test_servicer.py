@@ -257,6 +257,6 @@ def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop
     assert "task fingerprint mismatch" in str(info.value)
     assert task_fingerprint(task) in str(info.value)
 
-    status = quiet.stub.Status(pb.Empty(), timeout=5)
+    status = quiet.stub.Status(pb.StatusRequest(), timeout=5)
     assert status.run_id == server.coordinator.run_id
     assert status.total_rounds == 3 and not status.finished

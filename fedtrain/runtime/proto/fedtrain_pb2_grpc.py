@@ -51,7 +51,7 @@ class FedtrainStub:
                 _registered_method=True)
         self.Status = channel.unary_unary(
                 '/fedtrain.v1.Fedtrain/Status',
-                request_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.SerializeToString,
+                request_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.SerializeToString,
                 response_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.FromString,
                 _registered_method=True)
 
@@ -108,7 +108,7 @@ def add_FedtrainServicer_to_server(servicer, server):
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.FromString,
+                    request_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.FromString,
                     response_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.SerializeToString,
             ),
     }
@@ -218,7 +218,7 @@ class Fedtrain:
             request,
             target,
             '/fedtrain.v1.Fedtrain/Status',
-            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.SerializeToString,
+            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.SerializeToString,
             fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.FromString,
             options,
             channel_credentials,
