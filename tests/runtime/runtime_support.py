@@ -274,17 +274,26 @@ class Deployment:
         self.server_toml.write_text(dump_toml(self.server_config))
 
     # -- processes --------------------------------------------------------------------------
-    def _start(self, name: str, args: list[str]) -> None:
-        proc = self.procs.start(name, args, log_path=self.logs / f"{name}.log", env=self.env)
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**self.env, **(env or {})}
+        proc = self.procs.start(name, args, log_path=self.logs / f"{name}.log", env=env)
         self.pids.append(proc.pid)
 
-    def start_server(self, *, resume: bool = False, name: str = "server") -> None:
-        args = ["server", "--config", str(self.server_toml)]
+    def start_server(
+        self,
+        *,
+        resume: bool = False,
+        name: str = "server",
+        flags: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`fedtrain server` (with `--resume RUN_DIR`, extra `flags`, extra `env`)."""
+        args = ["server", "--config", str(self.server_toml), *flags]
         if resume:
             args += ["--resume", str(self.run_dir)]
         if not self.secure:
             args.append("--insecure")
-        self._start(name, fedtrain_command(*args))
+        self._start(name, fedtrain_command(*args), env)
 
     def site_toml(self, name: str, *, ca_dir: Path | None = None, **site: Any) -> Path:
         config: dict[str, Any] = {
