@@ -108,16 +108,19 @@ class SwarmSite:
         ) as channel:
             stub = pb_grpc.FedtrainStub(channel)
             while not stop.is_set():
-                outcome = await self._session(stub, fingerprint, stop)
+                outcome, retry_after = await self._session(stub, fingerprint, stop)
                 if outcome == "done":
                     return
-                if outcome == "refused":
-                    await asyncio.sleep(delay * (0.5 + np.random.random()))
+                if outcome == "refused":  # as a daemon does: its backoff, or the server's hint
+                    wait = max(delay, retry_after)
+                    await asyncio.sleep(wait * (1 + 0.5 * np.random.random()))
                     delay = min(RETRY_MAX_S, delay * 2)
                 else:
                     await asyncio.sleep(RETRY_MIN_S)
 
-    async def _session(self, stub: pb_grpc.FedtrainStub, fingerprint: str, stop: Any) -> str:
+    async def _session(
+        self, stub: pb_grpc.FedtrainStub, fingerprint: str, stop: Any
+    ) -> tuple[str, float]:
         call = stub.Control()
         join = pb.Join(
             site_name=self.name,
@@ -130,7 +133,8 @@ class SwarmSite:
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
                 self.stats.refused += 1
-                return "refused"
+                hint = first.reject.retry_after_s if first is not grpc.aio.EOF else 0.0
+                return "refused", hint
             welcome = first.welcome
             self.stats.joined += 1
             self.joined.set()
@@ -139,19 +143,19 @@ class SwarmSite:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     self.stats.broken += 1
-                    return "broken"
+                    return "broken", 0.0
                 kind = message.WhichOneof("kind")
                 if kind == "shutdown":
-                    return "done"
+                    return "done", 0.0
                 if kind == "instruction":
                     tasks.append(
                         asyncio.create_task(self._train(stub, welcome, message.instruction))
                     )
         except grpc.aio.AioRpcError:
             if stop.is_set():
-                return "done"
+                return "done", 0.0
             self.stats.broken += 1
-            return "broken"
+            return "broken", 0.0
         finally:
             for task in tasks:
                 task.cancel()
