@@ -52,6 +52,7 @@ from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.status import ServerUnreachable, fetch_status
 from fedtrain.tensors import ModelState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -376,7 +377,7 @@ def run_swarm(
                 cpu_last = sum(proc.cpu_times()[:2])
             if time.monotonic() - last_status > 1.0:
                 last_status = time.monotonic()
-                with contextlib.suppress(grpc.RpcError):  # the run may have just ended
+                with contextlib.suppress(ServerUnreachable):  # the run may have just ended
                     status_times.append(_status_seconds(address))
             time.sleep(0.25)
         if server.poll() is None:
@@ -414,7 +415,7 @@ def _wait_ready(
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with {server.returncode}")
-        with contextlib.suppress(grpc.RpcError):
+        with contextlib.suppress(ServerUnreachable):
             _status_seconds(address)
             break
         time.sleep(0.2)
@@ -422,11 +423,9 @@ def _wait_ready(
 
 
 def _status_seconds(address: str) -> float:
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.FedtrainStub(channel)
-        start = time.perf_counter()
-        stub.Status(pb.StatusRequest(), timeout=60)
-        return time.perf_counter() - start
+    start = time.perf_counter()
+    fetch_status(address, None, timeout_s=60)
+    return time.perf_counter() - start
 
 
 def _joined(pipes: Iterable[Connection]) -> int:

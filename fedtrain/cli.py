@@ -227,10 +227,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the answer goes to stdout; keep "TLS: ..." info lines out of it
         logging.getLogger("fedtrain").setLevel(logging.WARNING)
-    address, credentials, server_name = _status_target(args)
+    address, identity, server_name = _status_target(args)
     page = SitePage(args.sites_from, args.sites)
     state = fetch_status(
-        address, credentials, server_name=server_name, timeout_s=args.timeout, page=page
+        address, identity, server_name=server_name, timeout_s=args.timeout, page=page
     )
     if args.json:
         print(state.to_json())
@@ -242,9 +242,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _status_target(args: argparse.Namespace):
-    """(address, channel credentials or None, TLS server name) from the flags / site.toml."""
+    """(address, client identity or None, TLS server name) from the flags / site.toml."""
     from fedtrain.errors import ConfigError
-    from fedtrain.runtime import tls
+    from fedtrain.runtime.peer_auth import client_identity
 
     site = None
     if args.config:  # imports torch (the config schema); plain flags stay light
@@ -269,7 +269,7 @@ def _status_target(args: argparse.Namespace):
             "only for a server started with --insecure"
         )
     server_name = args.server_name or (site.tls.server_name if site else "")
-    return address, tls.channel_credentials(cert, key, ca), server_name
+    return address, client_identity(cert, key, ca), server_name
 
 
 # -- report ------------------------------------------------------------------------------

@@ -25,7 +25,6 @@ import logging
 import resource
 import threading
 from concurrent import futures
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -40,6 +39,7 @@ from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.status import server_state
@@ -116,8 +116,13 @@ class AggregationServer:
     ) -> None:
         self.config = config
         self.insecure = insecure
+        self._verifier: PeerVerifier | None = None
         if not insecure:
-            self._credentials = tls.server_credentials(*_server_tls_paths(config))
+            ca, cert, key = config.tls.require("server.toml")
+            info, self._credentials = tls.server_credentials(
+                cert, key, ca, require_client_auth=config.tls.verify_sites_in_handshake
+            )
+            self._verifier = PeerVerifier(ca, (*info.dns_names, *info.ip_addresses))
             if not config.allowed_sites:
                 raise ConfigError(
                     "allowed_sites is empty: with TLS the server admits only the sites named "
@@ -163,7 +168,7 @@ class AggregationServer:
             self.coordinator,
             self.registry,
             self.audit,
-            secure=not insecure,
+            verifier=self._verifier,
             spool_dir=self.spool_dir,
             cpu=self._cpu,
             max_sites=self.max_sites,
@@ -211,7 +216,7 @@ class AggregationServer:
             "serving run %s on port %d (%s), rounds %d..%d, up to %d sites, run dir %s",
             self.coordinator.run_id,
             port,
-            "insecure" if self.insecure else "mutual TLS",
+            _transport(self.insecure, self.config.tls.verify_sites_in_handshake),
             self.coordinator.global_model.round + 1,
             self.config.rounds,
             self.max_sites,
@@ -248,10 +253,12 @@ class AggregationServer:
         return port
 
     async def _watch_heartbeats(self) -> None:
-        """Disconnect sites that went silent past their timeout: a host whose process
-        hangs may keep answering keepalive pings (gRPC's C core does) for ever."""
+        """Disconnect sites that went silent past their timeout (a host whose process
+        hangs may keep answering keepalive pings, which gRPC's C core does, for ever);
+        also write the counts of repeated refusals whose window has passed."""
         while True:
             await asyncio.sleep(self.config.heartbeat.interval_s)
+            self.audit.flush_refusals()
             for session in self.registry.silent():
                 log.warning(
                     "site %r sent nothing for %.0fs (its heartbeat timeout); disconnecting it",
@@ -323,6 +330,8 @@ class AggregationServer:
         self.stop()
 
 
-def _server_tls_paths(config: ServerConfig) -> tuple[Path, Path, Path]:
-    ca, cert, key = config.tls.require("server.toml")
-    return cert, key, ca
+def _transport(insecure: bool, handshake: bool) -> str:
+    if insecure:
+        return "insecure"
+    both = "mutual TLS" if handshake else "TLS"
+    return f"{both}, sites prove their certificates at join"

@@ -1,12 +1,14 @@
 """The gRPC face of the aggregation server: admission, control streams, bulk transfers.
 
-Every request from a site is untrusted. Admission checks the site's identity (its
-certificate under mutual TLS), the allow-list, the protocol version, the task
-fingerprint and the server's capacity. Bulk RPCs must carry the token of a live
-control session belonging to the same certificate. Uploads are validated, journaled
-and folded chunk by chunk (see `upload.py`); whatever is wrong becomes a gRPC status
-naming site, round and tensor, an audit record and a log line, and never an exception
-that escapes a handler.
+Every request from a site is untrusted. Admission checks the protocol version, the
+site's identity (with TLS, its certificate and its proof of holding the key:
+`peer_auth`), the allow-list, the task fingerprint and the server's capacity; every
+refusal is audited with the peer's address and a one-word cause (`AuditLog.refusal`,
+throttled). Bulk RPCs must carry the token of a live control session and, with TLS,
+arrive on that session's connection. Uploads are validated, journaled and folded
+chunk by chunk (see `upload.py`); whatever is wrong becomes a gRPC status naming site,
+round and tensor, an audit record and a log line, and never an exception that escapes
+a handler.
 
 The handlers are coroutines on the server's event loop (`grpc.aio`): a connected
 site costs a coroutine and a socket, never a thread. Work that takes the round's
@@ -32,10 +34,18 @@ import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
+from fedtrain.runtime.admission import AdmissionGate, Refusal
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, GlobalModel
 from fedtrain.runtime.encoded_upload import DecodingSpool
+from fedtrain.runtime.peer_auth import (
+    PeerCertificate,
+    PeerRefused,
+    PeerVerifier,
+    Purpose,
+    new_nonce,
+)
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
@@ -46,6 +56,7 @@ from fedtrain.tensors import Chunk
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_NO_ANSWER = Refusal("no_answer", "the peer closed the stream before it said who it is")
 
 #: All sites' heartbeats together stay under this many messages per second: a larger
 #: federation is told a longer interval when it joins (keepalive pings, answered by
@@ -74,7 +85,7 @@ class FedtrainServicer:
         registry: SessionRegistry,
         audit: AuditLog,
         *,
-        secure: bool,
+        verifier: PeerVerifier | None,
         spool_dir: Path,
         cpu: Executor,
         max_sites: int,
@@ -83,8 +94,12 @@ class FedtrainServicer:
         self.coordinator = coordinator
         self.registry = registry
         self.audit = audit
-        self.secure = secure
+        #: Checks a peer's certificate and proof; None: no TLS (--insecure).
+        self.verifier = verifier
+        self.secure = verifier is not None
         self.spool_dir = spool_dir
+        #: Streams whose peer has not answered its challenge yet.
+        self.gate = AdmissionGate()
         self.cpu = cpu
         self.max_sites = max_sites
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
@@ -107,36 +122,41 @@ class FedtrainServicer:
     # -- Control ----------------------------------------------------------------------------
     async def Control(
         self, request_iterator: AsyncIterator[pb.SiteMessage], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.ServerMessage]:
-        try:
-            first = await anext(request_iterator)
-        except (StopAsyncIteration, grpc.RpcError):
+    ) -> None:
+        """A site's session: challenge, join, then messages both ways until it ends."""
+        peer = context.peer()
+        first, nonce, refusal = await self._opening(
+            context, lambda c: pb.ServerMessage(challenge=c)
+        )
+        if refusal is None and first.WhichOneof("kind") != "join":
+            refusal = Refusal("no_join", "the first message on the control stream must be a Join")
+        admitted = refusal or await self._run(self._admit, first.join, nonce)
+        if isinstance(admitted, Refusal):
+            self._refuse_peer("join_refused", peer, admitted)
+            await context.write(_reject(admitted.reason, admitted.retry_after_s))
             return
-        if first.WhichOneof("kind") != "join":
-            yield _reject("the first message on the control stream must be a Join")
-            return
-        site, reason, retry_after = self._admit(first.join, context)
-        if reason is not None:
-            log.warning("refused %s (%s): %s", site or "a peer", context.peer(), reason)
-            self.audit.record("join_refused", site=site, peer=context.peer(), reason=reason)
-            yield _reject(reason, retry_after)
-            return
-        assert site is not None
+        site, certificate = admitted
         if self.coordinator.finished.is_set():
-            yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+            await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete")))
             return
         hb = self.config.heartbeat
         interval = heartbeat_interval(hb.interval_s, len(self.registry) + 1)
-        session = Session(site, context.peer(), timeout_s=hb.timeout_s * interval / hb.interval_s)
+        session = Session(
+            site,
+            peer,
+            timeout_s=hb.timeout_s * interval / hb.interval_s,
+            certificate=certificate.pem if certificate else b"",
+        )
         session.open_outbox()
         replaced = await self._run(self.registry.add, session)
         if replaced is not None:
             await self._run(
                 self.registry.remove, replaced, "replaced by a new connection from the same site"
             )
-        log.info("site %r joined from %s", site, context.peer())
+        log.info("site %r joined from %s", site, peer)
+        identity = certificate.audit_fields() if certificate else {}
         self.audit.record(
-            "join", site=site, peer=context.peer(), fingerprint=first.join.task_fingerprint
+            "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
         )
         welcome = pb.Welcome(
             run_id=self.coordinator.run_id,
@@ -148,91 +168,154 @@ class FedtrainServicer:
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
-        reader = asyncio.create_task(self._read(session, request_iterator))
+        reader = asyncio.create_task(self._read(session, context))
         try:
-            yield pb.ServerMessage(welcome=welcome)
+            await context.write(pb.ServerMessage(welcome=welcome))
             while (message := await session.next_message()) is not None:
-                yield message
+                await context.write(message)
         finally:  # the site left, the stream broke (keepalive), or the server stops
             reader.cancel()
             self._leave(session, "control stream closed")
 
-    def _admit(
-        self, join: pb.Join, context: grpc.aio.ServicerContext
-    ) -> tuple[str | None, str | None, float]:
-        """(site name, None, 0) if the site may join, else (name if known, reason,
-        seconds after which trying again may succeed; 0 if it will not)."""
+    def _admit(self, join: pb.Join, nonce: bytes) -> tuple[str, PeerCertificate | None] | Refusal:
+        """(site name, its verified certificate) if the site may join, else the refusal.
+        On the CPU pool: it verifies a signature and a certificate chain."""
         if join.protocol_version != wire.PROTOCOL_VERSION:
-            return (
-                join.site_name or None,
+            return Refusal(
+                "protocol_version",
                 f"protocol version {join.protocol_version} is not supported (server speaks "
                 f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server",
-                0.0,
+                site=join.site_name or None,
             )
-        if self.secure:
-            site = tls.peer_site_name(context)
-            if site is None:
-                return (
-                    None,
-                    "no valid site certificate was presented (need clientAuth, CN = site name)",
-                    0.0,
-                )
+        certificate = None
+        if self.verifier is not None:
+            certificate = self._check_proof(join, "join", nonce)
+            if isinstance(certificate, Refusal):
+                return certificate
+            site = certificate.name
             if join.site_name and join.site_name != site:
-                return (
-                    site,
+                return Refusal(
+                    "site_name_mismatch",
                     f"the Join names site {join.site_name!r} but the certificate is for "
                     f"{site!r}; fix `name` in site.toml or leave it empty",
-                    0.0,
+                    site=site,
+                    details=certificate.audit_fields(),
                 )
         else:
             try:
                 site = tls.validate_site_name(join.site_name)
             except ConfigError as exc:
-                return (
-                    join.site_name or None,
+                return Refusal(
+                    "bad_site_name",
                     f"without TLS the Join must carry a site name: {exc}",
-                    0.0,
+                    site=join.site_name or None,
                 )
+        details = certificate.audit_fields() if certificate else {}
+        refusal = self._join_rules(site, join)
+        if refusal is not None:
+            refusal.site, refusal.details = site, details
+            return refusal
+        return site, certificate
+
+    def _join_rules(self, site: str, join: pb.Join) -> Refusal | None:
+        """Why the identified `site` may not join now, or None."""
         allowed = self.config.allowed_sites
         if allowed and site not in allowed:
-            return (
-                site,
+            return Refusal(
+                "not_allowed",
                 f"site {site!r} is not on this server's allowed_sites ({', '.join(allowed)}); "
                 "the server operator must add it to server.toml",
-                0.0,
             )
         if join.task_fingerprint != self.coordinator.fingerprint:
-            return (
-                site,
+            return Refusal(
+                "task_fingerprint",
                 f"task fingerprint mismatch: site {site!r} runs fingerprint "
                 f"{join.task_fingerprint or '(none)'}, the server runs "
                 f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
                 "same task code and version at the site",
-                0.0,
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
-            return (
-                site,
+            return Refusal(
+                "secagg_unsupported",
                 f"site {site!r} does not speak the secure aggregation this server runs "
                 f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
                 "fedtrain version; install the same fedtrain version as the server at the site",
-                0.0,
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return (
-                site,
+            return Refusal(
+                "capacity",
                 f"the server is at capacity ({self.max_sites} sites connected); retry later. "
                 "The operator can raise max_sites in server.toml, or the server's file limit "
                 "(LimitNOFILE in its service unit)",
-                CAPACITY_RETRY_S,
+                retry_after_s=CAPACITY_RETRY_S,
             )
-        return site, None, 0.0
+        return None
 
-    async def _read(self, session: Session, requests: AsyncIterator[pb.SiteMessage]) -> None:
+    async def _opening(
+        self, context: grpc.aio.ServicerContext, challenge: Callable[[pb.Challenge], Any]
+    ) -> tuple[Any, bytes, None] | tuple[None, bytes, Refusal]:
+        """Challenge the peer (with TLS) and read its first message, holding a slot of
+        the admission gate meanwhile: (first message, nonce, None) or (None, _, why not)."""
+        if self.verifier is None:
+            first = await _first(context)
+            return (first, b"", None) if first is not None else (None, b"", _NO_ANSWER)
+        with self.gate.pending(context.peer()) as slot:
+            if not slot.granted:
+                return None, b"", self._busy()
+            nonce = new_nonce()
+            await context.write(challenge(pb.Challenge(nonce=nonce)))
+            try:
+                first = await asyncio.wait_for(_first(context), self.gate.timeout_s)
+            except TimeoutError:
+                timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
+                return None, nonce, Refusal("timeout", timeout)
+        if first is not None:
+            return first, nonce, None
+        return None, nonce, _NO_ANSWER
+
+    def _check_proof(
+        self, message: pb.Join | pb.StatusRequest, purpose: Purpose, nonce: bytes
+    ) -> PeerCertificate | Refusal:
+        """The certificate whose key answered this stream's challenge, or why not."""
+        assert self.verifier is not None
+        proof = message.proof if message.HasField("proof") else None
+        try:
+            return self.verifier.verify(proof, purpose=purpose, nonce=nonce)
+        except PeerRefused as exc:
+            return Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
+
+    def _busy(self) -> Refusal:
+        return Refusal(
+            "busy",
+            "the server is busy admitting other peers (at most "
+            f"{self.gate.max_pending} at a time, {self.gate.per_address} per address); the "
+            "site retries on its own (if this persists, someone may be flooding the server: "
+            "the operator sees it in audit.jsonl)",
+        )
+
+    def _refuse_peer(self, event: str, peer: str, refusal: Refusal) -> None:
+        """Audit (throttled) and log a refused peer; the caller tells the peer."""
+        if self.audit.refusal(
+            event,
+            peer=peer,
+            cause=refusal.cause,
+            site=refusal.site,
+            reason=refusal.reason,
+            **refusal.details,
+        ):
+            log.warning(
+                "refused %s (%s, %s): %s",
+                refusal.site or "a peer",
+                peer,
+                refusal.cause,
+                refusal.reason,
+            )
+
+    async def _read(self, session: Session, context: grpc.aio.ServicerContext) -> None:
         """Consume a site's control messages (a task beside the handler that sends)."""
         reason = "control stream ended by the site"
         try:
-            async for message in requests:
+            while (message := await context.read()) is not grpc.aio.EOF:
                 session.touch()
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
@@ -281,30 +364,58 @@ class FedtrainServicer:
 
     # -- bulk transfers ----------------------------------------------------------------------
     async def _session(self, token: str, context: grpc.aio.ServicerContext, what: str) -> Session:
+        """The live session a bulk request belongs to: its token names it and, with TLS,
+        the request travels on the connection that session authenticated."""
         session = self.registry.by_token(token)
         if session is None:
             await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
+                "unknown_session",
                 f"{what} from {context.peer()}: unknown session token (the session ended or "
                 "the server restarted); the site must rejoin on its control stream first",
             )
-        if self.secure and tls.peer_site_name(context) != session.site:
+        if self.secure and session.peer != context.peer():
             await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{what}: the session belongs to site {session.site!r}, not to this "
-                f"certificate ({tls.peer_site_name(context)!r})",
+                "other_connection",
+                f"{what}: the session of site {session.site!r} was authenticated on another "
+                "connection; bulk requests must travel on the channel of the control stream",
+                site=session.site,
             )
         session.touch()
         return session
 
+    async def _require_session_connection(
+        self, context: grpc.aio.ServicerContext, what: str
+    ) -> None:
+        """With TLS, refuse a stream before reading from it unless its connection holds a
+        session: an unauthenticated peer gets nothing read or buffered here."""
+        if self.secure and self.registry.by_peer(context.peer()) is None:
+            await self._deny(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no_session",
+                f"{what} from {context.peer()}: this connection has not joined (a site must "
+                "prove its identity on its control stream first, then use the same channel)",
+            )
+
     async def _deny(
-        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+        self,
+        context: grpc.aio.ServicerContext,
+        code: grpc.StatusCode,
+        cause: str,
+        message: str,
+        *,
+        site: str | None = None,
     ) -> NoReturn:
         """Refuse a bulk request that belongs to no (valid) session: log, audit, abort."""
-        log.warning("refused: %s", message)
-        self.audit.record("request_refused", peer=context.peer(), code=code.name, reason=message)
+        peer = context.peer()
+        if self.audit.refusal(
+            "request_refused", peer=peer, cause=cause, code=code.name, site=site, reason=message
+        ):
+            log.warning("refused: %s", message)
         await _abort(context, code, message)
 
     async def DownloadModel(
@@ -331,15 +442,21 @@ class FedtrainServicer:
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
     ) -> pb.UploadReceipt:
+        await self._require_session_connection(context, "upload")
         try:
             first = await anext(request_iterator)
         except StopAsyncIteration:
-            await self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
+            await self._deny(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "no_header", "empty upload: no header"
+            )
         except grpc.RpcError:
             return pb.UploadReceipt()  # the site cancelled before sending anything
         if isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
             await self._deny(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its header"
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "no_header",
+                "an upload must start with its header",
             )
         header = first.header
         session = await self._session(
@@ -529,11 +646,23 @@ class FedtrainServicer:
 
     # -- Status ------------------------------------------------------------------------------
     async def Status(
-        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StatusReply:
-        page = status.SitePage(request.sites_offset, request.max_sites or status.DEFAULT_PAGE)
+        self, request_iterator: AsyncIterator[pb.StatusRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        """The run's state, for any certificate the federation CA issued (an operator
+        need not be on the allow-list: it can ask, never join)."""
+        peer = context.peer()
+        first, nonce, refusal = await self._opening(
+            context, lambda c: pb.StatusMessage(challenge=c)
+        )
+        if refusal is None and self.verifier is not None:
+            checked = await self._run(self._check_proof, first, "status", nonce)
+            refusal = checked if isinstance(checked, Refusal) else None
+        if refusal is not None:
+            self._refuse_peer("status_refused", peer, refusal)
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
+        page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
         state = await self._run(status.server_state, self.coordinator, self.registry, page)
-        return status.to_proto(state)
+        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
 
 
 class SharedDownloads:
@@ -567,6 +696,15 @@ class SharedDownloads:
         ]
 
 
+async def _first(context: grpc.aio.ServicerContext) -> Any:
+    """The first message of a request stream; None if the peer ended or cancelled it."""
+    try:
+        message = await context.read()
+    except grpc.RpcError:
+        return None
+    return None if message is grpc.aio.EOF else message
+
+
 def _reject(reason: str, retry_after_s: float = 0.0) -> pb.ServerMessage:
     return pb.ServerMessage(reject=pb.Reject(reason=reason, retry_after_s=retry_after_s))
 
@@ -596,10 +734,10 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
             request_deserializer=wire.chunk_stream_deserializer(pb.UpdateChunk),
             response_serializer=pb.UploadReceipt.SerializeToString,
         ),
-        "Status": grpc.unary_unary_rpc_method_handler(
+        "Status": grpc.stream_stream_rpc_method_handler(
             servicer.Status,
             request_deserializer=pb.StatusRequest.FromString,
-            response_serializer=pb.StatusReply.SerializeToString,
+            response_serializer=pb.StatusMessage.SerializeToString,
         ),
     }
     return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)

@@ -50,6 +50,8 @@ class Session:
     #: interval grows with the federation's size (see `servicer.heartbeat_interval`).
     timeout_s: float = 30.0
     closed: bool = False
+    #: With TLS: the site's certificate (PEM) whose key proved this session at join.
+    certificate: bytes = b""
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
@@ -114,6 +116,7 @@ class SessionRegistry:
         self.changed = threading.Condition(self._lock)
         self._by_site: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self._by_peer: dict[str, Session] = {}  # connection (ip:port) -> its session
         self._listeners: list[LeaveListener] = []
         self._join_listeners: list[JoinListener] = []
         self._stopped = False
@@ -135,6 +138,7 @@ class SessionRegistry:
             old = self._by_site.get(session.site)
             self._by_site[session.site] = session
             self._by_token[session.token] = session
+            self._by_peer[session.peer] = session
             self.changed.notify_all()
         for listener in self._join_listeners:
             listener(session)
@@ -149,6 +153,8 @@ class SessionRegistry:
             self._by_token.pop(session.token, None)
             if self._by_site.get(session.site) is session:
                 del self._by_site[session.site]
+            if self._by_peer.get(session.peer) is session:
+                del self._by_peer[session.peer]
             self.changed.notify_all()
         session.send(None)  # ends the control stream's send loop
         for listener in self._listeners:
@@ -158,6 +164,11 @@ class SessionRegistry:
     def by_token(self, token: str) -> Session | None:
         with self._lock:
             return self._by_token.get(token)
+
+    def by_peer(self, peer: str) -> Session | None:
+        """The live session whose control stream came over the connection `peer`."""
+        with self._lock:
+            return self._by_peer.get(peer)
 
     def get(self, site: str) -> Session | None:
         with self._lock:
