@@ -35,6 +35,7 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.faults import fault_point
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
@@ -120,8 +121,12 @@ class Coordinator:
         *,
         resume: bool = False,
         on_round: RoundCallback | None = None,
+        secagg_verifier: CertificateVerifier | None = None,
     ) -> None:
         self.config = config
+        #: Checks the sites' secure-aggregation credentials (None without TLS: the
+        #: consistency check is then off, for the sites cannot sign).
+        self.secagg_verifier = secagg_verifier
         self.task = task
         self.strategy = strategy
         self.run_dir = run_dir
@@ -343,6 +348,7 @@ class Coordinator:
                 sessions=sessions,
                 audit=self.audit,
                 min_included=self._needed(len(plan)),
+                verifier=self.secagg_verifier,
             )
         for site, session in sessions.items():
             if session is None:

@@ -40,6 +40,7 @@ from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, RoundCallback
 from fedtrain.runtime.peer_auth import PeerVerifier
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.status import server_state
@@ -117,6 +118,7 @@ class AggregationServer:
         self.config = config
         self.insecure = insecure
         self._verifier: PeerVerifier | None = None
+        secagg_verifier = None
         if not insecure:
             ca, cert, key = config.tls.require("server.toml")
             info, self._credentials = tls.server_credentials(
@@ -129,6 +131,13 @@ class AggregationServer:
                     "there (a certificate from the federation CA alone is not enough); list "
                     "them in server.toml"
                 )
+            secagg_verifier = CertificateVerifier.from_file(ca)
+        elif config.secagg.enabled and config.secagg.consistency_check:
+            log.warning(
+                "secure aggregation without TLS (--insecure): sites have no certificates to "
+                "sign with, so the consistency check (secagg.consistency_check) is off and a "
+                "server that lied about dropouts could unmask a site's update"
+            )
         self.task = task or load_task(config.task, config.task_options)
         # One fixed torch thread count: each thread that runs tensor work would otherwise
         # grow its own team of helper threads.
@@ -162,6 +171,7 @@ class AggregationServer:
             self.audit,
             resume=resume,
             on_round=self._observe_round,
+            secagg_verifier=secagg_verifier,
         )
         self.servicer = FedtrainServicer(
             config,

@@ -41,7 +41,7 @@ from fedtrain.errors import (
     WorkerGroupError,
 )
 from fedtrain.parallel import TorchrunGroup
-from fedtrain.runtime import rpc, tls, wire
+from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -137,11 +137,19 @@ class SiteDaemon:
         #: With TLS: the certificate and key that answer the server's challenge at join.
         self._identity: ClientIdentity | None = None
         self.name = site_name(config, insecure=insecure)
+        #: This site's secure-aggregation rounds; with TLS, its keys are bound to its
+        #: certificate (`fedtrain.runtime.secagg_identity`).
+        self.secagg = SiteSecAgg()
         if insecure:
             log.warning("connecting WITHOUT TLS (--insecure): use this only for local tests")
         else:
             ca, cert, key = config.tls.require("site.toml")
             self._identity = client_identity(cert, key, ca)
+            self.secagg = SiteSecAgg(
+                identity=secagg_identity.load_identity(cert, key),
+                verifier=secagg_identity.CertificateVerifier.from_file(ca),
+                require_consistency_check=config.require_consistency_check,
+            )
         self.task = task or load_task(config.task, config.task_options)
         self.fingerprint = task_fingerprint(self.task)
         #: DDP workers that train every round, kept across rounds and reconnects (started
@@ -172,7 +180,6 @@ class SiteDaemon:
         self._call: grpc.Call | None = None
         self._job: tuple[Link, pb.Instruction] | None = None
         self._job_ready = threading.Condition()
-        self.secagg = SiteSecAgg()  # this site's secure-aggregation rounds
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
 

@@ -50,6 +50,10 @@ class SecAggConfig:
             the sites in :class:`RoundParams` (0: off; see ``fedtrain.privacy.distributed``,
             which validates them); the server refuses to unmask a sum of fewer than
             ``dp_min_survivors`` sites.
+        consistency_check: sites sign the survivor set before revealing any share
+            (`fedtrain.secagg.consistency`), so a server that lies about who dropped
+            out gets neither both secrets of a site nor the sum of fewer than ``t``
+            sites. Needs site identities.
     """
 
     clip: float = 1.0
@@ -66,6 +70,7 @@ class SecAggConfig:
     dp_noise_multiplier: float = 0.0
     dp_clip_norm: float = 0.0
     dp_min_survivors: int = 0
+    consistency_check: bool = True
 
     def __post_init__(self) -> None:
         self.quantizer()  # validates the no-wrap budget
@@ -165,4 +170,5 @@ class SecAggConfig:
             dp_clip_norm=self.dp_clip_norm,
             dp_min_survivors=self.dp_min_survivors,
             min_included=min_included,
+            consistency_check=self.consistency_check,
         )
