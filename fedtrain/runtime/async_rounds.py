@@ -15,7 +15,10 @@ versions the model moved since the job's base version. An update staler than
 servicer's `upload_rejected`) and counted in the version's metrics. The K-th update
 swaps in a fresh buffer at once (uploads keep folding while the full one is applied),
 and the coordinator thread turns the full buffer into the next version: publish,
-hand the waiting sites their next jobs, checkpoint, evaluate, log.
+hand the waiting sites their next jobs, checkpoint, evaluate, log. The buffer that
+makes the run's last version is the last one: once it is full the run is closed to
+uploads, so an update that arrives while that version is being made is refused
+(`upload_rejected`) instead of being folded into a buffer no version would apply.
 
 All decisions about jobs and the buffer happen under one lock, shared by the upload
 handlers, the control streams (joins, leaves, errors) and the coordinator thread.
@@ -233,10 +236,11 @@ class BufferedRounds:
         failure is listed in the version's metrics (None: counted elsewhere, e.g. stale)."""
         if self.jobs.get(job.site) is job:
             del self.jobs[job.site]
-        if outcome is Outcome.DROPPED:
-            self.filling.dropped.append(job.site)
-        elif outcome is Outcome.FAILED:
-            self.filling.failed.append(job.site)
+        if not self.closed:  # after the last buffer filled, no version is left to list it
+            if outcome is Outcome.DROPPED:
+                self.filling.dropped.append(job.site)
+            elif outcome is Outcome.FAILED:
+                self.filling.failed.append(job.site)
         self._release_fetched()
         self._cond.notify_all()
 
@@ -332,7 +336,13 @@ class BufferedRounds:
             )
             if self.strategy.buffer_full(filling.buffer):
                 self.full.append(filling)
-                self.filling = self._new_buffer(filling.buffer.version + 2)
+                if filling.buffer.version + 1 >= self.coordinator.config.rounds:
+                    # The run's last version is now decided: no buffer follows it, so
+                    # an update arriving before the coordinator thread made it is
+                    # refused rather than folded into a buffer no version would apply.
+                    self.closed = True
+                else:
+                    self.filling = self._new_buffer(filling.buffer.version + 2)
             self._end(job, Outcome.DONE)
             self._assign_idle()
 
