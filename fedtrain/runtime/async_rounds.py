@@ -43,7 +43,7 @@ import grpc
 from fedtrain.errors import ConfigError
 from fedtrain.runtime.rounds import Outcome, UploadRefused, refuse_second_upload
 from fedtrain.runtime.sessions import Session, instruct
-from fedtrain.runtime.upload import Piece, UpdateSpool
+from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate
 
 if TYPE_CHECKING:
@@ -284,10 +284,6 @@ class BufferedRounds:
             refuse_second_upload(self.uploading, session.site, where)
             self._check_staleness(job, where, stage=False)  # refuse before the bytes travel
             self.uploading[session.site] = job
-
-    def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
-        """Nothing as chunks arrive: a buffered update is folded whole at `commit`, from
-        its journal, into whichever buffer is filling then (it may change meanwhile)."""
 
     def abandon(self, site: str) -> None:
         """An admitted upload failed; the job stays open until the site reports or times out."""

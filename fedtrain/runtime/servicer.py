@@ -358,15 +358,14 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         header: pb.UploadHeader,
         request_iterator: Iterator[pb.UpdateChunk],
     ) -> int:
-        """Validate, journal and fold one upload as it arrives; returns the bytes received.
+        """Validate and journal one upload as it arrives, and fold it from its journal
+        once whole; returns the bytes received.
 
-        On any failure the folded chunks are taken back out while the journal still
-        exists (the caller's `abandon` then finds nothing left to undo). An encoded
-        upload (`[compression]`) is journaled as its codec's parts and folded decoded
-        once whole.
+        An upload that fails on the way was never folded, so it leaves no trace in the
+        round's sum. An encoded upload (`[compression]`) is journaled as its codec's
+        parts and folded decoded.
         """
         specs = self.coordinator.global_model.state.specs
-        weight = float(header.num_examples)
         spool = (
             UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
             if self.codec.name == "none"
@@ -377,7 +376,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         with spool:
             try:
                 for chunk in self._chunks(session, header, request_iterator):
-                    state.fold(session.site, spool, spool.add(chunk), weight)
+                    spool.add(chunk)
                 spool.finish()
                 state.commit(session, spool, header.num_examples, dict(header.metrics))
             except BaseException:

@@ -69,11 +69,6 @@ class Aggregator:
     update. Values are validated (known tensor, dtype, range, finite) before use.
     """
 
-    #: True when `add_chunk` adds into a running sum, so chunks may be folded as they
-    #: arrive and taken back out with a negative weight (`add_checked_chunk`); False
-    #: when it stages a whole update until `commit` (clipping, median, Krum...).
-    additive: bool = False
-
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         self.specs = {s.name: s for s in specs}
         self.total_weight = 0.0
@@ -132,8 +127,6 @@ class Aggregator:
 class WeightedSum(Aggregator):
     """Accumulates sum_i w_i * delta_i tensor by tensor: O(model) memory for any N."""
 
-    additive = True
-
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__(specs)
         self._sums = {
@@ -183,14 +176,6 @@ class WeightedSum(Aggregator):
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         """Add `weight * values` into elements [start, start+len) of tensor `name`."""
         self._check_chunk(name, start, values)
-        self.add_checked_chunk(name, start, values, weight)
-
-    def add_checked_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
-        """`add_chunk` for values the caller already checked like `_check_chunk` does.
-
-        The runtime validates each chunk as it arrives, outside the round's lock, and
-        only the add itself runs under it; a negative weight takes a chunk back out.
-        """
         acc = self._sums[name][start : start + values.numel()]
         acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
 

@@ -162,6 +162,48 @@ def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> 
     assert not server.spool_dir.exists() or not any(server.spool_dir.iterdir())
 
 
+def test_a_broken_off_upload_leaves_the_sum_bit_identical_to_a_round_without_it(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=2)
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
+    stop_after += [a, b]
+    version = a.expect("instruction").instruction.model_version
+    b.expect("instruction")
+    gen = torch.Generator().manual_seed(7)
+    da, db = (
+        ModelState({k: torch.randn(v.shape, generator=gen) for k, v in _download(a, "").items()})
+        for _ in range(2)
+    )
+    header_a = a.header(1, num_examples=10, model_version=version)
+    sent = list(chunk_messages(da.chunks(CHUNK)))[:3]
+    gate = threading.Event()
+
+    def breaks_off() -> Iterator[pb.UpdateChunk]:
+        yield header_a
+        yield from sent
+        gate.wait(10)
+
+    transfers = server.coordinator.transfers
+    future = a.stub.UploadUpdate.future(breaks_off())
+    wait_for(lambda: transfers.total_in >= 3 * CHUNK, 10, "alpha's first chunks to arrive")
+    b.upload(
+        [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
+    )
+    future.cancel()  # alpha's stream breaks off after beta's update was counted
+    gate.set()
+    wait_for(lambda: "alpha" not in server.coordinator.current.uploading, 10, "alpha's abandon")
+    without_a = WeightedSum(db.specs)
+    without_a.add(db, 30.0)
+    aggregate = server.coordinator.current.aggregate
+    assert aggregate.count == 1 and aggregate.total_weight == 30.0
+    for name, acc in aggregate.sums.items():
+        assert torch.equal(acc, without_a.sums[name]), name
+
+
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
     task = Bf16Task()
     server = inprocess_server(tmp_path, task, rounds=1)
