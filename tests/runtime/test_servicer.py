@@ -56,13 +56,19 @@ def _refused(site: FakeSite, messages: list[pb.UpdateChunk]) -> grpc.RpcError:
     return info.value
 
 
-def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
+def _alpha_and_beta(tmp_path, stop_after) -> tuple[AggregationServer, FakeSite, FakeSite]:
+    """An in-process server for two sites, and sites alpha and beta joined to it."""
     task = TinyTask()
     server = inprocess_server(tmp_path, task, sites=2)
     stop_after.append(server)
     fp = task_fingerprint(task)
     a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
     stop_after += [a, b]
+    return server, a, b
+
+
+def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
+    server, a, b = _alpha_and_beta(tmp_path, stop_after)
     instruction = a.expect("instruction").instruction
     b.expect("instruction")
     assert instruction.round == 1
@@ -165,12 +171,7 @@ def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> 
 def test_a_broken_off_upload_leaves_the_sum_bit_identical_to_a_round_without_it(
     tmp_path, stop_after
 ) -> None:
-    task = TinyTask()
-    server = inprocess_server(tmp_path, task, sites=2)
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
-    stop_after += [a, b]
+    server, a, b = _alpha_and_beta(tmp_path, stop_after)
     version = a.expect("instruction").instruction.model_version
     b.expect("instruction")
     gen = torch.Generator().manual_seed(7)
