@@ -427,6 +427,12 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         with spool:
             try:
                 for chunk in self._chunks(session, header, request_iterator):
+                    if state.closed:  # e.g. the deadline passed: stop receiving at once
+                        raise UploadRefused(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"site {session.site!r}, round {header.round}: the round closed "
+                            "while the update was being received; update dropped",
+                        )
                     spool.add(chunk)
                 spool.finish()
                 state.commit(session, spool, weight.weight, dict(header.metrics))

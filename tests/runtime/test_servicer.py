@@ -205,6 +205,37 @@ def test_a_broken_off_upload_leaves_the_sum_bit_identical_to_a_round_without_it(
         assert torch.equal(acc, without_a.sums[name]), name
 
 
+def test_an_upload_still_arriving_when_the_round_closes_is_cut_off_at_its_next_chunk(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=1, round_timeout_s=1.0)
+    stop_after.append(server)
+    site = FakeSite(server.port, "alpha", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    delta = ModelState({k: torch.zeros_like(v) for k, v in _download(site, "").items()})
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    closed, never = threading.Event(), threading.Event()
+
+    def late() -> Iterator[pb.UpdateChunk]:
+        yield site.header(1, model_version=version)
+        yield chunks[0]
+        closed.wait(10)
+        yield chunks[1]  # the server must not wait for the rest of this update
+        never.wait(20)
+
+    future = site.stub.UploadUpdate.future(late())
+    wait_for(lambda: any(r["event"] == "round_failed" for r in _audit(server)), 10, "deadline")
+    closed.set()
+    try:
+        error = future.exception(timeout=10)
+    finally:
+        never.set()
+    assert error is not None and error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "round closed while the update was being received" in error.details()
+
+
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
     task = Bf16Task()
     server = inprocess_server(tmp_path, task, rounds=1)
