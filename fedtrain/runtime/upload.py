@@ -175,13 +175,14 @@ class UpdateSpool:
     def fold_into(self, aggregate: Aggregator, weight: float) -> None:
         """Add `weight * update` into `aggregate` from the journal (a complete update).
 
-        Each piece goes through `add_chunk`, which checks it again against the
-        aggregator: an aggregator may stage or transform chunks (clipping, decoding,
-        staleness), so the add is its own to do."""
+        Each piece goes through the aggregator's `add_chunk` (it may stage or transform
+        chunks: clipping, decoding, staleness), which checks it against the model but
+        not again for NaN/Inf: `add` did, before the update could reach any sum."""
         if not self._complete:
             raise TensorStreamError("an incomplete upload cannot be aggregated")
-        for name, start, values in self.pieces():
-            aggregate.add_chunk(name, start, values, weight)
+        with aggregate.finite_known():
+            for name, start, values in self.pieces():
+                aggregate.add_chunk(name, start, values, weight)
         aggregate.commit(weight)
 
     def close(self) -> None:

@@ -236,6 +236,42 @@ def test_an_upload_still_arriving_when_the_round_closes_is_cut_off_at_its_next_c
     assert "round closed while the update was being received" in error.details()
 
 
+def test_a_site_cannot_erase_the_others_work_by_breaking_off_a_huge_upload(
+    tmp_path, stop_after
+) -> None:
+    """Folded on arrival and subtracted back out, a broken-off update of huge finite
+    values absorbed the honest sum (x + 1e30 - 1e30 == 0 in float32), and the audit log
+    showed only a failed upload: the round's work was gone."""
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=3, rounds=1, strategy={"min_fit_clients": 2})
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b, rogue = (FakeSite(server.port, name, fp) for name in ("a", "b", "rogue"))
+    stop_after += [a, b, rogue]
+    version = {site.expect("instruction").instruction.model_version for site in (a, b, rogue)}.pop()
+    base = server.coordinator.global_model.state.clone()
+    gen = torch.Generator().manual_seed(3)
+    deltas = [ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()})]
+    deltas.append(ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()}))
+    for site, delta in zip((a, b), deltas, strict=True):
+        site.upload(
+            [
+                site.header(1, num_examples=10, model_version=version),
+                *chunk_messages(delta.chunks(CHUNK)),
+            ]
+        )
+    huge = chunk_messages(
+        ModelState({k: torch.full_like(v, 1e30) for k, v in base.items()}).chunks(CHUNK)
+    )
+    err = _refused(rogue, [rogue.header(1, num_examples=10, model_version=version), *huge[:-1]])
+    assert "stream ended early" in err.details()
+    rogue.report_error(1, err.details())
+    assert server.wait(20) and server.coordinator.error is None
+    for name, tensor in server.coordinator.global_model.state.items():
+        honest = (deltas[0][name].double() + deltas[1][name].double()) / 2
+        torch.testing.assert_close(tensor, (base[name].double() + honest).float())
+
+
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
     task = Bf16Task()
     server = inprocess_server(tmp_path, task, rounds=1)
