@@ -177,10 +177,11 @@ class ServerConfig:
     )
     upload_memory_mb: int = option(
         1024,
-        "RAM (MiB), shared by the uploads in flight, for the journals that let a broken "
-        "upload be taken back out of the sum; an upload whose whole update does not fit "
-        "in what is left journals to a file under the run dir instead (so models larger "
-        "than this always do). Server memory is ~2x the model plus this; 0: disk only.",
+        "RAM (MiB), shared by the uploads in flight, for the journals that keep each "
+        "update until it is whole and folded into the sum; an upload whose whole update "
+        "does not fit in what is left journals to a file under the run dir instead (so "
+        "models larger than this always do). Server memory is ~2x the model plus this; "
+        "0: disk only.",
     )
     metrics_port: int = option(
         0,
