@@ -157,12 +157,17 @@ class WorkerGroup:
 
     # -- rounds ----------------------------------------------------------------------------
     def train_round(
-        self, global_state: ModelState, config: RoundConfig, timeout_s: float | None = None
+        self,
+        global_state: ModelState,
+        config: RoundConfig,
+        timeout_s: float | None = None,
+        seed: int | None = None,
     ) -> tuple[ModelState, TrainResult]:
         """Train one round on all ranks: (rank 0's trained state, rank 0's TrainResult).
 
         `timeout_s` bounds the training itself (not a restart's start-up, which
-        `start_timeout_s` bounds). Raises `WorkerGroupError` if any rank fails.
+        `start_timeout_s` bounds); `seed`, if given, is every rank's context seed for
+        this round. Raises `WorkerGroupError` if any rank fails.
         """
         with self._lock:
             shared = self._ensure_started(retry="the next round tries to start it again")
@@ -170,7 +175,7 @@ class WorkerGroup:
             failures: dict[int, str] = {}
             for w in self._workers:
                 try:
-                    w.conn.send(("train", dict(config)))
+                    w.conn.send(("train", dict(config), seed))
                 except OSError:
                     failures[w.rank] = _exit_description(w)
             try:

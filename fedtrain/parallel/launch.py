@@ -131,7 +131,11 @@ class TorchrunGroup:
             self._ranks = _Ranks(self.spec, self.collective_timeout_s)
 
     def train_round(
-        self, global_state: ModelState, config: RoundConfig, timeout_s: float | None = None
+        self,
+        global_state: ModelState,
+        config: RoundConfig,
+        timeout_s: float | None = None,
+        seed: int | None = None,
     ) -> tuple[ModelState, TrainResult]:
         """As `WorkerGroup.train_round`; `timeout_s` is not enforced (see module doc)."""
         if self._broken:
@@ -144,8 +148,8 @@ class TorchrunGroup:
         self.start()
         assert self._ranks is not None
         try:
-            self._ranks.send({"command": "train", "config": dict(config)})
-            result = self._ranks.trainer.train(config, global_state)
+            self._ranks.send({"command": "train", "config": dict(config), "seed": seed})
+            result = self._ranks.trainer.train(config, global_state, seed)
         except Exception as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
             raise WorkerGroupError(
@@ -191,7 +195,7 @@ def follower_main(
     try:
         rounds = 0
         while (command := ranks.receive())["command"] == "train":
-            ranks.trainer.train(command["config"], None)
+            ranks.trainer.train(command["config"], None, command["seed"])
             rounds += 1
         log.info("rank %d stops after %d round(s)", ranks.rank, rounds)
         return 0

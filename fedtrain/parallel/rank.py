@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import pickle
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -84,15 +84,22 @@ class RankTrainer:
             world_size=world_size,
         )  # fmt: skip
 
-    def train(self, config: RoundConfig, global_state: ModelState | None) -> TrainResult:
-        """One round: rank 0 loads `global_state`, every rank receives it, all train."""
+    def train(
+        self, config: RoundConfig, global_state: ModelState | None, seed: int | None = None
+    ) -> TrainResult:
+        """One round: rank 0 loads `global_state`, every rank receives it, all train.
+
+        `seed` (the same on every rank) replaces the context's seed for this round: a
+        site draws a fresh one per job, so a re-run of a round never repeats an update.
+        """
         if self.rank == 0:
             if global_state is None:
                 raise ValueError("rank 0 needs the global state")
             global_state.load_into(self.module)
         if self.world_size > 1:
             broadcast_module(self.module)
-        return self.task.train(self.model, self.data, dict(config), self.context)
+        context = self.context if seed is None else replace(self.context, seed=seed)
+        return self.task.train(self.model, self.data, dict(config), context)
 
 
 @torch.no_grad()

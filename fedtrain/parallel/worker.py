@@ -95,8 +95,8 @@ def _serve(trainer: RankTrainer, shared: SharedState | None, conn: Connection) -
         command = conn.recv()
         if command[0] == "stop":
             return
-        _, config = command
-        result = trainer.train(config, shared.as_state() if shared is not None else None)
+        _, config, seed = command
+        result = trainer.train(config, shared.as_state() if shared is not None else None, seed)
         if shared is not None:
             shared.write(trainer.module.state_dict())
         conn.send(("done", trainer.rank, result if trainer.rank == 0 else None))

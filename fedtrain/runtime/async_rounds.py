@@ -15,10 +15,11 @@ versions the model moved since the job's base version. An update staler than
 servicer's `upload_rejected`) and counted in the version's metrics. The K-th update
 swaps in a fresh buffer at once (uploads keep folding while the full one is applied),
 and the coordinator thread turns the full buffer into the next version: publish,
-hand the waiting sites their next jobs, checkpoint, evaluate, log. The buffer that
-makes the run's last version is the last one: once it is full the run is closed to
-uploads, so an update that arrives while that version is being made is refused
-(`upload_rejected`) instead of being folded into a buffer no version would apply.
+hand the waiting sites their next jobs, evaluate, checkpoint (with the version's
+metrics record, as a round's), log. The buffer that makes the run's last version is
+the last one: once it is full the run is closed to uploads, so an update that
+arrives while that version is being made is refused (`upload_rejected`) instead of
+being folded into a buffer no version would apply.
 
 All decisions about jobs and the buffer happen under one lock, shared by the upload
 handlers, the control streams (joins, leaves, errors) and the coordinator thread.
@@ -150,7 +151,6 @@ class BufferedRounds:
                 self.closed = True
             else:
                 self._assign_idle()  # the sites that waited for this version
-        coordinator.checkpoint(model)
         record: dict[str, Any] = {
             "round": version,
             "clients": filling.buffer.count,

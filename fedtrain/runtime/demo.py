@@ -8,6 +8,11 @@ server only ever learns the sum of the four updates, and every site requires tha
 (`require_secagg`), so none would train for a server that could see its update. The
 server reports each round as a JSON line on its stdout, which drives the progress
 display. Every process is stopped on the way out, whatever happens (including Ctrl-C).
+
+A site that dies mid-round is a dropout: secure aggregation over four sites tolerates
+one, and the round completes with the other three (`min_fit_clients = 3`). The demo
+then starts the site again, as its service manager would, and it rejoins for the next
+round (every round starts once all four are connected).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ from fedtrain.runtime.lifecycle import ProcessGroup
 log = logging.getLogger(__name__)
 
 NUM_SITES = 4
+#: Updates a round needs: with 4 sites under classic SecAgg (k = 3, t = 3) one site
+#: may drop out at any stage and the round still completes with the other three.
+MIN_FIT = NUM_SITES - 1
+#: How often a site that exits is started again before the demo gives up on it.
+SITE_RESTARTS = 3
+SITE_RESTART_DELAY_S = 1.0
 DIGITS = {
     "task": "fedtrain.examples:DigitsTask",
     "partition": {"kind": "dirichlet", "alpha": 0.5},
@@ -137,7 +148,9 @@ def write_deployment(
                 "round_timeout_s": 120.0,
                 "allowed_sites": names,
                 "client": DIGITS["client"],
-                "strategy": {"min_fit_clients": NUM_SITES, "min_available_clients": NUM_SITES},
+                # Every round starts with all four sites (min_available_clients) and
+                # completes with three if one drops out on the way (min_fit_clients).
+                "strategy": {"min_fit_clients": MIN_FIT, "min_available_clients": NUM_SITES},
                 "tls": {"ca": ca_dir / tls.CA_CERT, "cert": server_cert, "key": server_key},
                 "secagg": DEMO_SECAGG if secagg else {"enabled": False},
             }
@@ -201,12 +214,32 @@ def run_demo(
                 failure.append(reason)
                 procs.send_signal("server")
 
-        def watch(name: str) -> None:
-            code = procs.procs[name].wait()
-            abort(f"{name} exited early with status {code}:\n{tail(logs / f'{name}.log')}")
+        def supervise(name: str) -> None:
+            """Start a site that exits again, as its service manager would (the round it
+            was in goes on without it; it rejoins for the next), up to SITE_RESTARTS times."""
+            for restart in range(SITE_RESTARTS + 1):
+                code = procs.procs[name].wait()
+                if server.poll() is not None:
+                    return  # the run is over; sites leave with it
+                if restart == SITE_RESTARTS:
+                    abort(
+                        f"{name} exited {restart + 1} times, last with status {code}:\n"
+                        f"{tail(logs / f'{name}.log')}"
+                    )
+                    return
+                log.warning(
+                    "%s exited with status %s; the round goes on without it, and it is "
+                    "started again in %.0fs",
+                    name,
+                    code,
+                    SITE_RESTART_DELAY_S,
+                )
+                time.sleep(SITE_RESTART_DELAY_S)
+                if server.poll() is not None or procs.restart(name) is None:
+                    return
 
         for path in site_tomls:
-            threading.Thread(target=watch, args=(path.stem,), daemon=True).start()
+            threading.Thread(target=supervise, args=(path.stem,), daemon=True).start()
         timer = threading.Timer(timeout_s, abort, args=(f"the demo took over {timeout_s:.0f}s",))
         timer.daemon = True
         timer.start()

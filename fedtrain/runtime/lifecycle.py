@@ -10,6 +10,7 @@ it, so nothing is left behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -76,6 +77,12 @@ class ProcessGroup:
         self.term_timeout_s = term_timeout_s
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[IO[bytes]] = []
+        #: How each child was started, so `restart` can start it again.
+        self._again: dict[str, Callable[[], subprocess.Popen[bytes]]] = {}
+        # `restart` may run on a watcher thread while `close` runs: the lock and the
+        # flag make sure nothing is started once closing began.
+        self._lock = threading.Lock()
+        self._closing = False
 
     def start(
         self,
@@ -90,6 +97,15 @@ class ProcessGroup:
         """Start `args` as its own process group; output goes to `log_path` (or a pipe)."""
         if name in self.procs:
             raise ValueError(f"a process named {name!r} was started already")
+        self._again[name] = functools.partial(
+            self.start,
+            name,
+            list(args),
+            log_path=log_path,
+            stdout_pipe=stdout_pipe,
+            env=env,
+            cwd=cwd,
+        )
         sink: IO[bytes] | int = subprocess.DEVNULL
         if log_path is not None:
             log_file = log_path.open("ab")
@@ -123,6 +139,18 @@ class ProcessGroup:
         _killpg(proc, signal.SIGKILL)
         return proc.returncode
 
+    def restart(self, name: str) -> subprocess.Popen[bytes] | None:
+        """Start an exited child again, as it was started (output appended to its log);
+        None once the group is closing. What a service manager's Restart= does."""
+        with self._lock:
+            if self._closing:
+                return None
+            old = self.procs.pop(name)
+            if old.poll() is None:
+                self.procs[name] = old
+                raise ValueError(f"{name!r} (pid {old.pid}) is still running")
+            return self._again[name]()
+
     def send_signal(self, name: str, sig: int = signal.SIGTERM) -> None:
         """Send a signal to one child's process group without waiting (safe from any thread)."""
         proc = self.procs[name]
@@ -131,6 +159,8 @@ class ProcessGroup:
 
     def close(self) -> None:
         """Terminate every child (SIGTERM first, so they leave cleanly), then wait for all."""
+        with self._lock:
+            self._closing = True
         for proc in self.procs.values():
             if proc.poll() is None:
                 _killpg(proc, signal.SIGTERM)

@@ -50,6 +50,10 @@ class SecAggConfig:
             the sites in :class:`RoundParams` (0: off; see ``fedtrain.privacy.distributed``,
             which validates them); the server refuses to unmask a sum of fewer than
             ``dp_min_survivors`` sites.
+        consistency_check: sites sign the survivor set before revealing any share
+            (`fedtrain.secagg.consistency`), so a server that lies about who dropped
+            out gets neither both secrets of a site nor the sum of fewer than ``t``
+            sites. Needs site identities.
     """
 
     clip: float = 1.0
@@ -66,6 +70,7 @@ class SecAggConfig:
     dp_noise_multiplier: float = 0.0
     dp_clip_norm: float = 0.0
     dp_min_survivors: int = 0
+    consistency_check: bool = True
 
     def __post_init__(self) -> None:
         self.quantizer()  # validates the no-wrap budget
@@ -114,8 +119,14 @@ class SecAggConfig:
         sites: Iterable[int],
         vector_length: int,
         graph_seed: bytes | None = None,
+        min_included: int = 0,
     ) -> RoundParams:
-        """Parameters of one round over ``sites``; ``graph_seed`` defaults to fresh bytes."""
+        """Parameters of one round over ``sites``; ``graph_seed`` defaults to fresh bytes.
+
+        ``min_included``: the fewest masked inputs the round may unmask (the driver's
+        acceptance minimum, e.g. the strategy's ``min_results``); fewer and the round
+        fails with its sum still masked.
+        """
         ids = tuple(sorted(set(sites)))
         if len(ids) < 2:
             raise SecAggError(f"secure aggregation needs at least 2 sites, got {len(ids)}")
@@ -130,6 +141,11 @@ class SecAggConfig:
             raise SecAggError(f"round id must be in [0, 2^64), got {round_id}")
         if vector_length < 1:
             raise SecAggError(f"vector_length must be >= 1, got {vector_length}")
+        if not 0 <= min_included <= len(ids):
+            raise SecAggError(
+                f"round {round_id}: min_included = {min_included} must be in [0, {len(ids)}] "
+                "(the round's sites); no sum of fewer could ever be unmasked"
+            )
         k, t = self.degree_and_threshold(len(ids))
         check_threshold(t, k, len(ids))
         seed = os.urandom(GRAPH_SEED_BYTES) if graph_seed is None else graph_seed
@@ -153,4 +169,6 @@ class SecAggConfig:
             dp_noise_multiplier=self.dp_noise_multiplier,
             dp_clip_norm=self.dp_clip_norm,
             dp_min_survivors=self.dp_min_survivors,
+            min_included=min_included,
+            consistency_check=self.consistency_check,
         )

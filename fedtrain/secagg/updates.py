@@ -155,6 +155,7 @@ def secure_round(
     rng: np.random.Generator | int | None = None,
     graph_seed: bytes | None = None,
     noise: EncodedNoise | None = None,
+    min_included: int = 0,
 ) -> tuple[WeightedSum, SecAggResult]:
     """One SecAgg+ round in memory over ``deltas``: the simulation's entry point.
 
@@ -166,6 +167,8 @@ def secure_round(
     were included, and the protocol's result (who was included, who dropped). Every
     delta is held as a float32 vector for the round, so memory is O(sites x model).
     ``noise`` is each site's distributed-DP noise (`fedtrain.privacy.distributed`).
+    ``min_included`` is the fewest included sites the sum may be unmasked for (the
+    driver's acceptance minimum): below it the round fails before anything is unmasked.
     """
     if len(deltas) != len(weights):
         raise SecAggError(f"{len(deltas)} deltas but {len(weights)} weights")
@@ -180,6 +183,7 @@ def secure_round(
         rng=rng,
         graph_seed=graph_seed,
         noise=noise,
+        min_included=min_included,
     )
     return layout.weighted_sum(result), result
 

@@ -182,12 +182,12 @@ def train_round(
         fold.add(event)
         if on_progress is not None:
             on_progress(plan.server_round, fold.clients_done, training)
+    needed = strategy.min_results(len(plan.selected))
     secagg: dict[str, Any] = {}
     if secure is not None and uploads is not None:
-        secagg = secure.aggregate(plan, fold, uploads, aggregate)
+        secagg = secure.aggregate(plan, fold, uploads, aggregate, needed)
     train_seconds = time.perf_counter() - start
     reported = len(fold.results)
-    needed = strategy.min_results(len(plan.selected))
     aggregated = reported > 0 and reported >= needed
     if aggregated:
         global_state = strategy.finalize_round(plan.server_round, global_state, aggregate)

@@ -7,7 +7,9 @@ driver (as for median or Krum), is checked like any update, flattened at once in
 float32 vector SecAgg+ masks (the update itself is then dropped), and when the round's
 clients have all reported one SecAgg+ round runs over those vectors through
 `fedtrain.secagg.updates.secure_round`: the same client and server state machines as
-the runtime, with real X25519 keys, AES-GCM-encrypted Shamir shares and AES-CTR masks.
+the runtime, with real X25519 keys, AES-GCM-encrypted Shamir shares and AES-CTR masks,
+and (``secagg.consistency_check``) the consistency stage, every client signing with an
+Ed25519 identity from a fresh in-memory PKI (where a deployment uses certificates).
 Its unmasked, dequantized sum is the `WeightedSum` the strategy finalizes.
 
 Memory: the driver holds one float32 vector per reporting client until the protocol
@@ -123,13 +125,21 @@ class SecureAggregation:
         return out
 
     def aggregate(
-        self, plan: RoundPlan, fold: RoundFold, uploads: MaskedUploads, aggregate: Aggregator
+        self,
+        plan: RoundPlan,
+        fold: RoundFold,
+        uploads: MaskedUploads,
+        aggregate: Aggregator,
+        min_included: int,
     ) -> dict[str, Any]:
         """Run SecAgg+ over the round's updates into `aggregate`; the round's secagg record.
 
         Clients the protocol leaves out (dropped before their masked input arrived, or
         every client when the round fails) are removed from `fold.results`, so they
-        count as not reported and their training metrics are left out.
+        count as not reported and their training metrics are left out. A round with
+        fewer than `min_included` masked inputs (the strategy's minimum) fails before
+        anything is unmasked, as in a deployment: the server never unmasks a sum it
+        will not use.
         """
         if not isinstance(aggregate, WeightedSum):
             raise TypeError(
@@ -150,8 +160,11 @@ class SecureAggregation:
             record["secagg_k"], record["secagg_t"] = self.protocol.degree_and_threshold(n)
         start = time.perf_counter()
         try:
-            if n < 2:
-                raise SecAggError(f"round {plan.server_round}: {n} update(s), SecAgg+ needs 2")
+            if n < max(2, min_included):
+                raise SecAggError(
+                    f"round {plan.server_round}: {n} update(s) arrived, SecAgg+ needs 2 and "
+                    f"the round {min_included}; nothing is unmasked"
+                )
             graph = np.random.default_rng([self.seed, _GRAPH_STREAM, plan.server_round])
             weighted, result = secure_round(
                 uploads.vectors,
@@ -162,6 +175,7 @@ class SecureAggregation:
                 round_id=plan.server_round,
                 rng=np.random.default_rng([self.seed, _ROUNDING_STREAM, plan.server_round]),
                 graph_seed=graph.bytes(GRAPH_SEED_BYTES),
+                min_included=min_included,
             )
         except SecAggError as exc:
             log.warning("round %d: secure aggregation failed: %s", plan.server_round, exc)

@@ -3,13 +3,19 @@ nothing left behind."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
-from runtime_support import assert_gone
+from runtime_support import assert_gone, wait_for
+
+from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.demo import run_demo
 
 
 @pytest.mark.integration
@@ -24,7 +30,7 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final accuracy: 0." in out.stdout
     server_log = (tmp_path / "logs" / "server.log").read_text()
-    assert "mutual TLS" in server_log and "run" in server_log
+    assert "TLS, sites prove their certificates at join" in server_log and "run" in server_log
     # Secure aggregation is the demo's default: only masked updates reach the server.
     assert "secure aggregation on" in server_log
     assert "unmasked the sum of 4/4 sites" in server_log
@@ -39,3 +45,47 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
         if str(tmp_path) in " ".join(p.info["cmdline"] or [])
     ]
     assert_gone(leftovers)
+
+
+def _kill_when_round_starts(run_dir: Path, server_round: int, site: str) -> int:
+    """SIGKILL `site`'s daemon as soon as the audit log says `server_round` started
+    with it (it is then downloading or training); returns the pid it killed."""
+    audit = run_dir / "run" / "audit.jsonl"
+    toml = str(run_dir / f"{site}.toml")
+
+    def started() -> bool:
+        try:
+            records = read_audit(audit)
+        except ValueError:  # caught a line half written
+            return False
+        return any(r["event"] == "round_started" and r["round"] == server_round for r in records)
+
+    wait_for(started, 200, f"round {server_round} to start")
+    for p in psutil.process_iter(["cmdline"]):
+        if toml in (p.info["cmdline"] or []):
+            os.kill(p.pid, signal.SIGKILL)
+            return int(p.pid)
+    raise AssertionError(f"no running daemon for {site}")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_the_demo_completes_its_rounds_when_a_site_is_killed_mid_round(tmp_path: Path) -> None:
+    killer = ThreadPoolExecutor(1)
+    killed = killer.submit(_kill_when_round_starts, tmp_path, 2, "site-2")
+    result = run_demo(tmp_path, rounds=3, timeout_s=220)
+    killed.result(1)
+    killer.shutdown()
+    assert [r["round"] for r in result.history] == [1, 2, 3]
+    assert result.final_accuracy is not None and result.final_accuracy > 0.5
+    audit = read_audit(tmp_path / "run" / "audit.jsonl")
+    started = [r for r in audit if r["event"] == "round_started" and r["round"] == 2]
+    assert len(started) == 1 and "site-2" in started[0]["participants"]
+    # Round 2 completed without the killed site, in its first attempt, unmasking once.
+    assert not [r for r in audit if r["event"] == "round_failed"]
+    unmasked = {r["round"]: r["included"] for r in audit if r["event"] == "secagg_unmasked"}
+    assert sorted(unmasked) == [1, 2, 3]
+    assert unmasked[2] == ["site-0", "site-1", "site-3"]
+    # The demo started site-2 again, and it was back for round 3.
+    assert unmasked[3] == ["site-0", "site-1", "site-2", "site-3"]
+    assert (tmp_path / "logs" / "site-2.log").read_text().count("joined run") == 2

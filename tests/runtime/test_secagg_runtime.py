@@ -10,6 +10,7 @@ mid-protocol.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -24,22 +25,28 @@ import torch
 from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
-from fedtrain.errors import ConfigError
+from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.privacy.distributed import DistributedDP
-from fedtrain.runtime import wire
+from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig, SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
 from fedtrain.secagg import (
+    ConsistencyRequest,
+    ConsistencySignature,
     KeysBroadcast,
     RoutedShares,
     SecAggClient,
     SecAggServer,
+    ServerMessage,
     SetupRequest,
+    UnmaskRequest,
     decode_message,
 )
+from fedtrain.secagg.quantize import Quantizer
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import FedMedian
 from fedtrain.strategy.aggregate import apply_mean_delta
@@ -227,20 +234,53 @@ def _answer(site: FakeSite, client: SecAggClient | None = None) -> Any:
 
 
 def _two_daemons_and_a_hand_driven_site(
-    tmp_path: Path, owned: list[Any]
+    tmp_path: Path, owned: list[Any], min_fit_clients: int = 2
 ) -> tuple[AggregationServer, FakeSite]:
     """A secure server, real daemons a and b, and site zz driven by the test. Three sites
-    start the round; two updates are enough to finish it."""
+    start the round; `min_fit_clients` updates are enough to finish it."""
     task = TinyTask(features=100)
-    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": 2})
+    server = _server(tmp_path, task, sites=3, strategy={"min_fit_clients": min_fit_clients})
     owned.append(server)
     for i, name in enumerate(("a", "b")):
         owned.append(_daemon(server, task, name, i))
+    return server, _hand_driven_site(server, task, owned)
+
+
+def _hand_driven_site(server: AggregationServer, task: TinyTask, owned: list[Any]) -> FakeSite:
     fake = FakeSite(
         server.port, "zz", task_fingerprint(task), capabilities=("train", wire.SECAGG_CAPABILITY)
     )
     owned.append(fake)
-    return server, fake
+    return fake
+
+
+def _masked_upload(fake: FakeSite, instruction: pb.Instruction, vector: np.ndarray) -> None:
+    header = fake.header(instruction.round, num_examples=0, model_version=instruction.model_version)
+    header.header.masked = True
+    chunks = wire.masked_chunks(vector, 64)
+    fake.upload([header, *(pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks)])
+
+
+def _take_part(fake: FakeSite, until: str | None = None, value: float = 0.5) -> None:
+    """Take part in the next secure round as an honest site: all of it, or only until
+    the server asks for stage `until` (delivering the masked input first when `until`
+    is UNMASK), which the caller then makes it miss by closing it."""
+    instruction = fake.expect("instruction").instruction
+    if until == "SETUP":
+        fake.expect("secagg")
+        return
+    client, setup = _answer(fake)
+    if until == "SHARE_KEYS":
+        fake.expect("secagg")
+        return
+    _answer(fake, client)
+    _, routed = _answer(fake, client)
+    if until == "MASKED_INPUT":
+        return
+    client.set_input(np.full(setup.params.vector_length, value), 40.0)
+    _masked_upload(fake, instruction, client.handle(routed).vector)
+    if until is None:
+        _answer(fake, client)
 
 
 def test_truncated_masked_upload_is_taken_out_and_the_round_completes(
@@ -295,22 +335,7 @@ def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     tmp_path: Path, owned: list[Any], spy: dict[str, Any], stage: str
 ) -> None:
     server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned)
-    instruction = fake.expect("instruction").instruction
-    if stage == "SETUP":
-        fake.expect("secagg")
-    else:
-        client, setup = _answer(fake)
-        if stage == "SHARE_KEYS":
-            fake.expect("secagg")
-        else:  # deliver the masked input, then vanish before unmasking
-            _answer(fake, client)
-            _, routed = _answer(fake, client)
-            client.set_input(np.full(setup.params.vector_length, 0.5), 40.0)
-            masked = client.handle(routed)
-            header = fake.header(1, num_examples=0, model_version=instruction.model_version)
-            header.header.masked = True
-            chunks = wire.masked_chunks(masked.vector, 64)
-            fake.upload([header, *(pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in chunks)])
+    _take_part(fake, until=stage)
     fake.close()
 
     assert server.wait(90), f"the round did not complete after a dropout at {stage}"
@@ -327,6 +352,93 @@ def test_a_site_whose_control_stream_breaks_is_dropped_at_that_stage(
     audit = read_audit(server.run_dir.path / "audit.jsonl")
     missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
     assert missing[stage] == ["zz"]
+
+
+@pytest.fixture
+def ledger(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """A curious server's notebook: every sum the server ever unmasks (protocol round id,
+    included secagg ids) and every input a site masks (round id, site, update)."""
+    book: dict[str, list[Any]] = {"sums": [], "inputs": []}
+    set_input, finish = SecAggClient.set_input, SecAggServer.finish
+
+    def note_input(self: SecAggClient, update: np.ndarray, weight: float) -> None:
+        round_id = self._params.round_id if self._params is not None else None
+        book["inputs"].append((round_id, self.site, np.array(update), float(weight)))
+        set_input(self, update, weight)
+
+    def note_sum(self: SecAggServer) -> Any:
+        result = finish(self)
+        book["sums"].append((self.params.round_id, result.included))
+        return result
+
+    monkeypatch.setattr(SecAggClient, "set_input", note_input)
+    monkeypatch.setattr(SecAggServer, "finish", note_sum)
+    return book
+
+
+@pytest.mark.parametrize("stage", ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "UNMASK"])
+def test_a_curious_server_never_unmasks_two_sums_over_one_rounds_updates(
+    tmp_path: Path, owned: list[Any], ledger: dict[str, list[Any]], stage: str
+) -> None:
+    """Every site must count (min_fit_clients = 3 of 3), so a dropout before the masked
+    input makes the round run again. Were the first attempt's sum of the two others
+    unmasked and thrown away, the retry's sum minus it would be the third site's update
+    (the review reproduced exactly that, correlation 1.0). The server must decide before
+    unmasking, and a retry must train afresh so no update is ever sent twice."""
+    server, fake = _two_daemons_and_a_hand_driven_site(tmp_path, owned, min_fit_clients=3)
+    _take_part(fake, until=stage)
+    fake.close()  # vanishes at `stage`
+    if stage != "UNMASK":  # the round runs again once zz is back
+        _take_part(_hand_driven_site(server, TinyTask(features=100), owned), value=0.25)
+
+    assert server.wait(90), f"the round did not complete after a dropout at {stage}"
+    assert server.coordinator.error is None
+    # One sum unmasked for the round, over all three sites: nothing to subtract it from.
+    assert len(ledger["sums"]) == 1, ledger["sums"]
+    assert ledger["sums"][0][1] == (1, 2, 3)
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    attempts = 1 if stage == "UNMASK" else 2
+    assert len([r for r in audit if r["event"] == "round_started"]) == attempts
+    assert [r["included"] for r in audit if r["event"] == "secagg_unmasked"] == [["a", "b", "zz"]]
+    # Every attempt trained afresh: no site masked the same update twice.
+    for site in (1, 2):  # the daemons a and b
+        updates = [x for _, s, x, _ in ledger["inputs"] if s == site]
+        assert len(updates) == attempts
+        assert all(
+            not np.array_equal(u, v) for i, u in enumerate(updates) for v in updates[i + 1 :]
+        )
+
+
+def test_sites_round_their_updates_with_independent_randomness(
+    tmp_path: Path, owned: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stochastic rounding's error averages out over n sites (~sqrt(n) * step / 2) only if
+    the sites draw independently. Two daemons with the same configured seed (the
+    default, 0) must still round with uncorrelated errors."""
+    errors: list[np.ndarray] = []
+    encode = Quantizer.encode
+
+    def note_error(self: Quantizer, update: np.ndarray, weight: float, rng: Any) -> np.ndarray:
+        out = encode(self, update, weight, rng)
+        # An independent reference of what `encode` rounds: clip(x) scaled onto [0, L].
+        scale = self.encode_weight(weight) * self.weight_resolution * self.levels
+        exact = np.clip(np.asarray(update, np.float64), -self.clip, self.clip)
+        exact = exact * scale / (2 * self.clip * self.max_weight) + self.levels / 2
+        errors.append(out[:-1].astype(np.float64) - exact)
+        return out
+
+    monkeypatch.setattr(Quantizer, "encode", note_error)
+    task = TinyTask(features=2000)
+    server = _server(tmp_path, task, sites=2)
+    owned.append(server)
+    for name in ("a", "b"):
+        owned.append(_daemon(server, task, name, 0, seed=0))
+    assert server.wait(90), "the secure round did not finish"
+    a, b = errors
+    assert a.size == b.size == 4002
+    assert np.all((a > -1) & (a < 1)) and abs(a.mean()) < 0.05  # unbiased, within a step
+    # 4002 values: an estimate's standard error is ~0.016; shared draws give ~0.5.
+    assert abs(np.corrcoef(a, b)[0, 1]) < 0.1
 
 
 def test_site_requiring_secagg_refuses_a_plain_server(
@@ -354,8 +466,8 @@ def test_secure_server_refuses_sites_that_cannot_mask(tmp_path: Path, owned: lis
         FakeSite(server.port, "old", task_fingerprint(task))
 
 
-@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg"])
-def test_strategies_that_need_every_update_are_refused_with_secagg(name: str) -> None:
+@pytest.mark.parametrize("name", ["fedmedian", "fedtrimmedavg", "krum", "dpfedavg", "fedbuff"])
+def test_strategies_that_need_every_update_or_fold_alone_are_refused_with_secagg(name: str) -> None:
     raw = {"task": "t:T", "secagg": True, "strategy": {"name": name}}
     with pytest.raises(ConfigError, match=f"'{name}' cannot run with secure aggregation"):
         from_dict(ServerConfig, raw)
@@ -382,6 +494,142 @@ def test_secagg_config_errors_name_the_key(tmp_path: Path) -> None:
     config = from_dict(ServerConfig, {**base, "run_dir": str(tmp_path), "secagg": True})
     with pytest.raises(ConfigError, match="'fedmedian' cannot run with secure aggregation"):
         AggregationServer(config, insecure=True, task=TinyTask(), strategy=FedMedian())
+
+
+# -- in-process over mutual TLS: keys bound to certificates, the consistency check on ------------
+def _mtls_federation(
+    tmp_path: Path, owned: list[Any], names: tuple[str, ...], min_fit: int = 0
+) -> tuple[AggregationServer, list[SiteDaemon]]:
+    """An in-process server and daemons with certificates from one federation CA; rounds
+    count with `min_fit` sites (default: all)."""
+    ca = tmp_path / "pki" / "ca"
+    tls.init_ca(ca, days=2)
+    cert, key = tls.issue_server(ca, tmp_path / "pki" / "server", ["127.0.0.1"], days=1)
+    task = TinyTask(features=100)
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 1,
+        "round_timeout_s": 60.0,
+        "chunk_bytes": 64,
+        "client": CLIENT,
+        "secagg": SECAGG,
+        "allowed_sites": list(names),
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        "strategy": {
+            "min_fit_clients": min_fit or len(names),
+            "min_available_clients": len(names),
+        },
+        "tls": {"ca": str(ca / tls.CA_CERT), "cert": str(cert), "key": str(key)},
+    }
+    server = AggregationServer(from_dict(ServerConfig, raw), task=task)
+    server.start()
+    owned.append(server)
+    daemons = []
+    for i, name in enumerate(names):
+        site_cert, site_key = tls.issue_site(ca, tmp_path / "pki" / name, name, days=1)
+        config = {
+            "task": "runtime_support:TinyTask",
+            "server": f"127.0.0.1:{server.port}",
+            "data": {"kind": "quantity", "partition": i, "num_partitions": 3, "seed": 1},
+            "reconnect": {"min_s": 0.1, "max_s": 0.5},
+            "require_secagg": True,
+            "tls": {"ca": str(ca / tls.CA_CERT), "cert": str(site_cert), "key": str(site_key)},
+        }
+        daemon = SiteDaemon(from_dict(SiteConfig, config), task=task)
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        thread.start()
+        owned.append((daemon, thread))
+        daemons.append(daemon)
+    return server, daemons
+
+
+def test_over_mtls_sites_sign_the_survivor_set_before_unmasking(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"))
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    stages = [
+        r["stage"]
+        for r in read_audit(server.run_dir.path / "audit.jsonl")
+        if r["event"] == "secagg_stage"
+    ]
+    assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
+
+
+def test_over_mtls_a_site_lost_before_signing_stays_in_the_sum(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Site c fails just as it is asked to sign the survivor set: its masked input is in,
+    so the others (2 of 3 holders, t = 2) remove its masks and the round completes."""
+    sign = SecAggClient._consistency
+
+    def flaky(self: SecAggClient, msg: ConsistencyRequest) -> Any:
+        if self.site == 3:
+            raise SecAggError("site 3: lost before signing (test)")
+        return sign(self, msg)
+
+    monkeypatch.setattr(SecAggClient, "_consistency", flaky)
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
+    assert missing == {
+        "SETUP": [],
+        "SHARE_KEYS": [],
+        "MASKED_INPUT": [],
+        "CONSISTENCY": ["c"],
+        "UNMASK": [],
+    }
+    bound = result.quantizer.mean_error_bound(3, result.total_weight)
+    mean = _expected_mean(spy["inputs"], SECAGG["clip"])
+    assert np.abs(result.weighted_mean() - mean).max() <= bound
+
+
+def test_over_mtls_a_site_told_another_survivor_set_refuses_to_unmask(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server lies to site c (id 3) through the real stage messages: site a dropped
+    (to c alone), so c should reveal a's mask key. c refuses: only c signed that set."""
+    send = SecureRoundState._send
+
+    def lying_send(self: SecureRoundState, messages: dict[int, ServerMessage]) -> None:
+        msg = messages.get(3)
+        if isinstance(msg, ConsistencyRequest):
+            messages = {**messages, 3: dataclasses.replace(msg, survivors=(2, 3))}
+        elif isinstance(msg, UnmaskRequest):
+            lie = dataclasses.replace(msg, survivors=(2, 3), dropped=(1,))
+            messages = {**messages, 3: lie}
+        send(self, messages)
+
+    def unchecked(self: SecAggServer, msg: ConsistencySignature) -> None:
+        self._signatures[msg.site] = msg.signature  # a liar does not check what it caused
+
+    monkeypatch.setattr(SecureRoundState, "_send", lying_send)
+    monkeypatch.setattr(SecAggServer, "_receive_signature", unchecked)
+    # Rounds count with 2 sites, so c may sign a 2-site set; its refusal comes later.
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
+    assert server.wait(90), "the secure round did not finish"
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    (refusal,) = [r for r in audit if r["event"] == "site_error"]
+    assert refusal["site"] == "c"
+    assert (
+        "only 1 of site 1's 3 share holders signed the survivor set I signed"
+        in (refusal["message"])
+    )
+    # a and b, told the truth, unmask the honest sum: a's mask key never left a holder.
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    inputs = spy["inputs"]
+    bound = result.quantizer.mean_error_bound(3, result.total_weight)
+    assert np.abs(result.weighted_mean() - _expected_mean(inputs, SECAGG["clip"])).max() <= bound
 
 
 # -- real processes -------------------------------------------------------------------------------
@@ -416,7 +664,9 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
                     "runtime_support:TinyTask",
                     allowed_sites=sites,
                     rounds=1,
-                    client=CLIENT,
+                    # One full batch per site: the same update in both federations, whatever
+                    # order the fresh seed each training job draws shuffles it in.
+                    client={**CLIENT, "batch_size": 200},
                     strategy={"min_fit_clients": 3, "min_available_clients": 3},
                     secagg=SECAGG if secure else {"enabled": False},
                     # Six sites and two servers share the cores: no site may miss the
@@ -440,7 +690,10 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
         uploads = dep.audit("upload")
         assert len(uploads) == 3 and all(r["masked"] is secure for r in uploads)
     assert "secure aggregation on" in deps[True].log("server")
-    assert "mutual TLS" in deps[True].log("server")
+    assert "TLS, sites prove their certificates at join" in deps[True].log("server")
+    assert "consistency check on" in deps[True].log("server")
+    stages = [r["stage"] for r in deps[True].audit("secagg_stage")]
+    assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
     assert all(r["num_examples"] == 0 for r in deps[True].audit("upload"))  # weights masked
     # Same sites, same data, same initial model: one round differs only by quantization.
     # Bound (fedtrain.secagg.quantize): n * step / total weight, step = 2 clip max_weight / L.

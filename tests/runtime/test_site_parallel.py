@@ -176,7 +176,7 @@ class _FailingGroup(WorkerGroup):
     def __init__(self) -> None:
         self.timeouts: list[float | None] = []
 
-    def train_round(self, global_state, config, timeout_s=None):
+    def train_round(self, global_state, config, timeout_s=None, seed=None):
         self.timeouts.append(timeout_s)
         raise WorkerGroupError(
             "DDP round failed on the site's 2 worker(s): rank 1 exited with code 3; the "
@@ -195,7 +195,7 @@ class _BrokenTorchrunGroup(TorchrunGroup):
     def __init__(self) -> None:
         pass
 
-    def train_round(self, global_state, config, timeout_s=None):
+    def train_round(self, global_state, config, timeout_s=None, seed=None):
         raise WorkerGroupError("the torchrun group broke", {1: "gone"}, restarting=False)
 
     def close(self) -> None:
