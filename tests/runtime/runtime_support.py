@@ -69,6 +69,23 @@ class TinyTask(TorchTask):
         return result
 
 
+class LrProbeTask(TinyTask):
+    """TinyTask that reports, as training metrics, the learning rate its optimizer
+    trained with and its epochs: what the round's config made of training."""
+
+    def optimizer(self, model: nn.Module, config: RoundConfig) -> torch.optim.Optimizer:
+        opt = super().optimizer(model, config)
+        self.used_lr = opt.param_groups[0]["lr"]
+        return opt
+
+    def train(
+        self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
+    ) -> TrainResult:
+        result = super().train(model, data, config, context)
+        probe = {"lr_used": self.used_lr, "epochs_used": float(config.get("epochs", 1))}
+        return TrainResult(result.num_examples, {**result.metrics, **probe})
+
+
 class PacedTask(TinyTask):
     """TinyTask on a device of fixed speed: every training batch takes `batch_s` longer,
     so a site with 10x the pause is about 10x slower."""
