@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +152,12 @@ def test_a_user_strategy_runs_a_simulation(tmp_path):
     want = [0.75, 1.5, 1.15, 0.45, 0.1]  # warmup 1.5 x 1/2, 2/2; cosine to 0.1 by step 5
     assert [r["server_lr"] for r in history] == pytest.approx(want)
     assert history[-1]["accuracy"] > 0.8
+
+
+def test_the_readme_shows_the_example_module_as_it_ships():
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text()
+    marker = "<!-- example:examples/mylab/strategies.py:{} -->"
+    block = readme.split(marker.format("start"))[1].split(marker.format("end"))[0]
+    source = (root / "examples" / "mylab" / "strategies.py").read_text()
+    assert block.strip() == f"```python\n{source}```"
