@@ -1,5 +1,6 @@
-"""A real Flower NumPyClient trains at the sites of a real deployment (`fedtrain server` +
-`fedtrain client` processes) and ends with the model its native fedtrain equivalent gets."""
+"""Real Flower clients train at the sites of a real deployment (`fedtrain server` +
+`fedtrain client` processes): a NumPyClient ends with the model its native fedtrain
+equivalent gets, and a Message-API ClientApp (examples/flower-digits) runs unchanged."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from fedtrain.task import TaskContext
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
+ROOT = Path(__file__).resolve().parents[2]
+
 SITES = ("hospital-a", "hospital-b")
 RUN = {
     "rounds": 3,
@@ -39,7 +42,7 @@ FLOWER = {
 
 def deploy(root: Path, task: str, data: list[dict], **server) -> tuple[dict, list[dict]]:
     """Run a 2-site insecure deployment to the end; the final model and metrics.jsonl."""
-    with Deployment(root, task, secure=False, **RUN, **server) as dep:
+    with Deployment(root, task, secure=False, **{**RUN, **server}) as dep:
         dep.start_server()
         for name, site_data in zip(SITES, data, strict=True):
             dep.start_site(name, data=site_data, task_options=server.get("task_options", {}))
@@ -89,3 +92,28 @@ def test_a_site_must_name_its_flower_partition() -> None:
     assert [data[i] for i in range(len(data))] == [1]
     client = task.client(1)
     assert client is task.client(1)  # built once
+
+
+def test_a_message_api_client_app_trains_at_the_sites_of_a_deployment(tmp_path) -> None:
+    """examples/flower-digits, unchanged: each site is one Flower partition; the round's
+    config record carries the scheduled lr; the final model keeps Net's names."""
+    from flowerdigits.task import Net
+
+    app = {
+        "clientapp": "flowerdigits.client_app:app",
+        "model": "flowerdigits.task:Net",
+        "num_partitions": 2,
+        "app_config": str(ROOT / "examples" / "flower-digits" / "pyproject.toml"),
+    }
+    model, metrics = deploy(
+        tmp_path,
+        "fedtrain.compat.flower_app:FlowerClientApp",
+        [{"source": "task", "options": {"partition-id": i}} for i in range(2)],
+        task_options=app,
+        client={"lr": 0.1},
+        client_schedule={"lr": {"decay": "step", "gamma": 0.5}},
+    )
+    assert list(model) == list(Net().state_dict())
+    Net().load_state_dict(model)
+    assert all(r["train_loss"] > 0 for r in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
