@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # Depl
 from flower_client import NativeEquivalent
 from runtime_support import Deployment
 
+from fedtrain.config import load_toml
 from fedtrain.errors import ConfigError
 from fedtrain.task import TaskContext
 
@@ -94,26 +95,36 @@ def test_a_site_must_name_its_flower_partition() -> None:
     assert client is task.client(1)  # built once
 
 
-def test_a_message_api_client_app_trains_at_the_sites_of_a_deployment(tmp_path) -> None:
-    """examples/flower-digits, unchanged: each site is one Flower partition; the round's
-    config record carries the scheduled lr; the final model keeps Net's names."""
+def test_the_example_client_app_deployment_runs_from_its_config_files(tmp_path) -> None:
+    """examples/flower-digits' server.toml and site-*.toml (the app unchanged, each site one
+    Flower partition, lr halved every 2 rounds), on a free port: the final model keeps
+    Net's names and training converges."""
     from flowerdigits.task import Net
 
-    app = {
-        "clientapp": "flowerdigits.client_app:app",
-        "model": "flowerdigits.task:Net",
-        "num_partitions": 2,
-        "app_config": str(ROOT / "examples" / "flower-digits" / "pyproject.toml"),
-    }
-    model, metrics = deploy(
-        tmp_path,
-        "fedtrain.compat.flower_app:FlowerClientApp",
-        [{"source": "task", "options": {"partition-id": i}} for i in range(2)],
-        task_options=app,
-        client={"lr": 0.1},
-        client_schedule={"lr": {"decay": "step", "gamma": 0.5}},
-    )
+    example = ROOT / "examples" / "flower-digits"
+    server = load_toml(example / "server.toml")
+    for key in ("address", "run_dir"):  # the Deployment picks a free port and a tmp dir
+        del server[key]
+    task = server.pop("task")
+    absolute = str(example / "pyproject.toml")  # the processes' working directory varies
+    server["task_options"]["app_config"] = absolute
+    server["rounds"] = 3
+    with Deployment(tmp_path, task, secure=False, **server) as dep:
+        dep.start_server()
+        for i in range(2):
+            site = load_toml(example / f"site-{i}.toml")
+            assert (
+                site["task"] == task
+                and site["task_options"]["clientapp"] == (server["task_options"]["clientapp"])
+            )
+            site["task_options"]["app_config"] = absolute
+            dep.start_site(f"site-{i}", data=site["data"], task_options=site["task_options"])
+        assert dep.wait_server(150) == 0, dep.log("server")
+        dep.close()
+    metrics = dep.metrics()
+    assert [r["round"] for r in metrics] == [1, 2, 3]
+    assert all(r["clients"] == 2 and r["train_loss"] > 0 for r in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    model = torch.load(dep.run_dir / "model.pt", weights_only=True)
     assert list(model) == list(Net().state_dict())
     Net().load_state_dict(model)
-    assert all(r["train_loss"] > 0 for r in metrics)
-    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
