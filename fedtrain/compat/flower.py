@@ -120,25 +120,33 @@ def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def module_factory(ref: str | Callable[[], Any], key: str) -> Callable[[], nn.Module]:
-    """A zero-argument callable building the app's torch model (e.g. its `Net` class)."""
-    factory = ref if callable(ref) else import_reference(ref, key, "ClassName")
+class ModuleFactory:
+    """Builds the app's torch model (e.g. its `Net` class) from `task_options.model`.
 
-    def build() -> nn.Module:
+    It keeps the reference, not the resolved class, so a task holding it pickles (the
+    process and Ray backends send the task to their workers).
+    """
+
+    def __init__(self, ref: str | Callable[[], Any], key: str) -> None:
+        self.ref, self.key = ref, key
+        self.factory()  # a bad reference fails when the config is read
+
+    def factory(self) -> Callable[[], Any]:
+        return self.ref if callable(self.ref) else import_reference(self.ref, self.key, "ClassName")
+
+    def __call__(self) -> nn.Module:
         try:
-            module = factory()
+            module = self.factory()()
         except TypeError as exc:
             raise ConfigError(
-                f"{key} = {ref!r} cannot build the model without arguments ({exc}); name the "
-                "model's class (e.g. 'myapp.task:Net') or a function that returns it"
+                f"{self.key} = {self.ref!r} cannot build the model without arguments ({exc}); "
+                "name the model's class (e.g. 'myapp.task:Net') or a function that returns it"
             ) from None
         if not isinstance(module, nn.Module):
             raise ConfigError(
-                f"{key} = {ref!r} built a {type(module).__name__}, not a torch.nn.Module"
+                f"{self.key} = {self.ref!r} built a {type(module).__name__}, not a torch.nn.Module"
             )
         return module
-
-    return build
 
 
 class ArrayModule(nn.Module):
@@ -190,10 +198,17 @@ class FlowerPartitions(Task):
         self.num_partitions = num_partitions
         self.run_config = load_run_config(app_config, run_config)
         self.federated_evaluation = evaluate
+        #: Per-process caches (Contexts; subclasses add clients, the app), rebuilt where
+        #: the task is unpickled: simulation workers get references and options only.
         self._contexts: dict[int, Any] = {}
         #: node_config of the partition a deployment site holds (`site_data`).
         self._node_configs: dict[int, dict[str, Any]] = {}
         self._home = 0  # the partition whose client provides `model()`
+
+    _caches: tuple[str, ...] = ("_contexts",)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: ({} if k in self._caches else v) for k, v in self.__dict__.items()}
 
     def context(self, partition_id: int) -> Any:
         """The Flower `Context` of one partition, built once (its `state` persists)."""
@@ -278,6 +293,8 @@ def mean_eval(results: list[EvalResult]) -> EvalResult:
 class FlowerTask(FlowerPartitions):
     """A Flower NumPyClient factory as a fedtrain Task (see the module docstring)."""
 
+    _caches = ("_contexts", "_clients")
+
     def __init__(
         self,
         client_fn: str | Callable[..., Any],
@@ -294,7 +311,7 @@ class FlowerTask(FlowerPartitions):
             if callable(client_fn)
             else import_reference(client_fn, "task_options.client_fn", "function")
         )
-        self.module_factory = None if model is None else module_factory(model, "task_options.model")
+        self.module_factory = None if model is None else ModuleFactory(model, "task_options.model")
         ref = client_fn if isinstance(client_fn, str) else self.client_fn.__qualname__
         self.version = f"flower:{ref}"  # part of the fingerprint sites must share
         self._clients: dict[int, Any] = {}

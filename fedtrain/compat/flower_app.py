@@ -46,9 +46,9 @@ from torch.utils.data import Dataset
 from fedtrain.compat.flower import (
     FlowerPartitions,
     MissingKey,
+    ModuleFactory,
     mean_eval,
     missing_round_config,
-    module_factory,
 )
 from fedtrain.errors import ConfigError, TaskError
 from fedtrain.references import import_reference
@@ -86,21 +86,31 @@ class FlowerClientApp(FlowerPartitions):
         eval_keys: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(num_partitions, run_config, app_config, evaluate)
-        self.app = (
-            import_reference(clientapp, "task_options.clientapp", "app")
-            if isinstance(clientapp, str)
-            else clientapp
-        )
-        if not isinstance(self.app, ClientApp):
-            raise ConfigError(
-                f"task_options.clientapp = {clientapp!r} is a {type(self.app).__name__}, not "
-                "a flwr.clientapp.ClientApp (name the `app = ClientApp()` object)"
-            )
-        self.build_model = module_factory(model, "task_options.model")
+        self.clientapp = clientapp
+        self._app: dict[str, ClientApp] = {}
+        self.app  # noqa: B018 (a bad reference fails when the config is read)
+        self.build_model = ModuleFactory(model, "task_options.model")
         self.weighted_by_key = weighted_by_key
         self.eval_keys = {"loss": "eval_loss", "accuracy": "eval_acc", **(eval_keys or {})}
-        ref = clientapp if isinstance(clientapp, str) else type(self.app).__qualname__
+        ref = clientapp if isinstance(clientapp, str) else type(clientapp).__qualname__
         self.version = f"flower-app:{ref}"  # part of the fingerprint sites must share
+
+    _caches = ("_contexts", "_app")
+
+    @property
+    def app(self) -> ClientApp:
+        """The ClientApp `clientapp` names, imported once per process."""
+        if "app" not in self._app:
+            app = self.clientapp
+            if isinstance(app, str):
+                app = import_reference(app, "task_options.clientapp", "app")
+            if not isinstance(app, ClientApp):
+                raise ConfigError(
+                    f"task_options.clientapp = {self.clientapp!r} is a {type(app).__name__}, "
+                    "not a flwr.clientapp.ClientApp (name the `app = ClientApp()` object)"
+                )
+            self._app["app"] = app
+        return self._app["app"]
 
     def model(self) -> nn.Module:
         return self.build_model()

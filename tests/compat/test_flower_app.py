@@ -120,3 +120,11 @@ def test_a_round_config_key_nobody_set_names_the_client_table(tmp_path):
 def test_bad_apps_and_replies_say_what_is_wrong(tmp_path, options, error, message):
     with pytest.raises(error, match=message):
         simulate(tmp_path, {**PROBE, **options}, rounds=1)
+
+
+def test_the_app_runs_on_the_process_backend_with_its_context_kept_per_worker(tmp_path):
+    """Workers get the task as references and options (the ClientApp is imported there);
+    a partition always trains on the same worker, so its Context.state persists."""
+    history = simulate(tmp_path, PROBE, rounds=2, backend="process", workers=2)
+    assert [r["calls"] for r in history] == [1, 2]
+    assert [r["lr_seen"] for r in history] == [0.4, 0.4]

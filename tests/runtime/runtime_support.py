@@ -36,6 +36,7 @@ from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.strategy import RoundConfig
 from fedtrain.task import Task, TaskContext, TorchTask, TrainResult
+from fedtrain.tensor_file import load_tensor_file
 
 HERE = Path(__file__).resolve().parent
 
@@ -350,6 +351,13 @@ class Deployment:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def checkpointed(self) -> int:
+        """The round of the run's checkpoint (written in the background); 0 before the first."""
+        try:
+            return int(load_tensor_file(self.run_dir / "checkpoint.ft")["round"])
+        except FileNotFoundError:
+            return 0
 
     def audit(self, event: str | None = None) -> list[dict[str, Any]]:
         try:

@@ -15,7 +15,6 @@ import pytest
 from runtime_support import Deployment, wait_for
 
 from fedtrain.run_dir import RunDir
-from fedtrain.tensor_file import load_tensor_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -25,13 +24,6 @@ STRATEGY = {
     "min_available_clients": 2,
     "options": {"server_lr": 1.0, "warmup_rounds": 2, "total_rounds": 6, "momentum": 0.5},
 }
-
-
-def checkpointed(dep: Deployment) -> int:
-    try:
-        return int(load_tensor_file(dep.run_dir / "checkpoint.ft")["round"])
-    except (FileNotFoundError, OSError, ValueError):
-        return 0
 
 
 def test_a_user_strategy_and_an_lr_schedule_run_are_checkpointed_and_resume(tmp_path: Path):
@@ -47,9 +39,9 @@ def test_a_user_strategy_and_an_lr_schedule_run_are_checkpointed_and_resume(tmp_
         dep.start_server()
         for name in ("a", "b"):
             dep.start_site(name, task_options={"delay_s": 0.3})
-        wait_for(lambda: checkpointed(dep) >= 2, 60, "two rounds checkpointed")
+        wait_for(lambda: dep.checkpointed() >= 2, 60, "two rounds checkpointed")
         dep.procs.stop("server", signal.SIGKILL)
-        killed_at = checkpointed(dep)
+        killed_at = dep.checkpointed()
         assert 2 <= killed_at < 6
         _, _, strategy_state, _ = RunDir(dep.run_dir).load_checkpoint()
         assert strategy_state["steps"] == killed_at
