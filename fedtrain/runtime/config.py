@@ -45,6 +45,17 @@ class TlsConfig:
 
 
 @dataclass
+class ServerTlsConfig(TlsConfig):
+    verify_sites_in_handshake: bool = option(
+        False,
+        "Also demand a CA-signed site certificate in the TLS handshake: peers without one "
+        "never reach fedtrain (a smaller attack surface), but those refusals are then not "
+        "in audit.jsonl, only in gRPC's stderr line. Sites prove their certificate at join "
+        "either way.",
+    )
+
+
+@dataclass
 class SiteTlsConfig(TlsConfig):
     server_name: str = option(
         "",
@@ -144,7 +155,9 @@ class ServerConfig:
     )
     client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
-    tls: TlsConfig = section(TlsConfig, "Mutual TLS (ca, cert, key).")
+    tls: ServerTlsConfig = section(
+        ServerTlsConfig, "TLS (ca, cert, key) and how sites prove their certificates."
+    )
     secagg: SecAggServerSettings = section(
         SecAggServerSettings, "Secure aggregation (`secagg = true` or a [secagg] table)."
     )
@@ -259,7 +272,9 @@ class SiteConfig:
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
-    tls: SiteTlsConfig = section(SiteTlsConfig, "Mutual TLS (ca, cert, key, server_name).")
+    tls: SiteTlsConfig = section(
+        SiteTlsConfig, "TLS (ca, cert, key, server_name): the site's certificate and the CA."
+    )
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -548,7 +548,7 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
         uploads = dep.audit("upload")
         assert len(uploads) == 3 and all(r["masked"] is secure for r in uploads)
     assert "secure aggregation on" in deps[True].log("server")
-    assert "mutual TLS" in deps[True].log("server")
+    assert "TLS, sites prove their certificates at join" in deps[True].log("server")
     assert all(r["num_examples"] == 0 for r in deps[True].audit("upload"))  # weights masked
     # Same sites, same data, same initial model: one round differs only by quantization.
     # Bound (fedtrain.secagg.quantize): n * step / total weight, step = 2 clip max_weight / L.
