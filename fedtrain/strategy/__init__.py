@@ -1,7 +1,7 @@
 """Server algorithms. Each one is a file; `build_strategy` maps config names to them.
 
 A config names a built-in strategy (`name = "fedadam"`) or a user's own `Strategy`
-subclass by import reference (`name = "mylab.strategies:ScheduledFedAvgM"`), which
+subclass by import reference (`name = "mylab.strategies:WarmupCosineFedAvgM"`), which
 must be importable wherever the server (or the simulation) runs.
 """
 

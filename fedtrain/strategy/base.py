@@ -89,7 +89,7 @@ class Strategy(ABC):
         self.min_available_clients = min_available_clients
         self.client_config: RoundConfig = dict(client_config or {})
         self.client_schedule: dict[str, Schedule] = dict(client_schedule or {})
-        check_schedules(self.client_config, self.client_schedule)
+        check_schedules(self.client_config, self.client_schedule, resolved=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

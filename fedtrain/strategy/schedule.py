@@ -108,15 +108,26 @@ class Schedule:
         elif self.decay == "exponential":
             x = base * self.gamma**t
         else:  # cosine, as torch's CosineAnnealingLR with T_max = rounds
-            frac = min(t, self.rounds) / self.rounds if self.rounds else 1.0
+            frac = min(t, self.rounds) / self.rounds
             x = self.min_value + (base - self.min_value) * (1 + math.cos(math.pi * frac)) / 2
         return round(x) if isinstance(base, int) else float(x)
 
 
-def check_schedules(client: Mapping[str, Any], schedules: Mapping[str, Schedule]) -> None:
-    """Every decayed key has a number in `[client]` to decay from; errors name the key."""
+def check_schedules(
+    client: Mapping[str, Any], schedules: Mapping[str, Schedule], *, resolved: bool = False
+) -> None:
+    """Every decayed key has a number in `[client]` to decay from; errors name the key.
+
+    `resolved`: the schedules are the ones a strategy runs, so a cosine one must know
+    its length (configs fill in the run's rounds with `over`).
+    """
     for key, schedule in schedules.items():
         schedule.check(key)
+        if resolved and schedule.decay == "cosine" and schedule.rounds == 0:
+            raise ConfigError(
+                f"client_schedule.{key}: a cosine schedule needs its length in rounds; set "
+                "rounds (configs use the run's rounds: Schedule.over(rounds))"
+            )
         if key == "round":
             raise ConfigError("client_schedule.round: `round` is set by the server, not scheduled")
         base = client.get(key)

@@ -67,6 +67,21 @@ def test_piecewise_takes_the_value_of_the_latest_round_reached():
     assert [piecewise.value(1, r) for r in (1, 2, 3, 9, 10, 99)] == [1, 1, 2, 2, 4, 4]
 
 
+def test_a_strategy_refuses_a_cosine_schedule_of_unknown_length():
+    with pytest.raises(ConfigError, match=r"client_schedule\.lr: a cosine schedule needs"):
+        FedAvg(client_config={"lr": 0.1}, client_schedule={"lr": Schedule("cosine")})
+    config = from_dict(
+        SimConfig,
+        {
+            "task": "fedtrain.examples:SyntheticTask",
+            "rounds": 8,
+            "client": {"lr": 0.1},
+            "client_schedule": {"lr": {"decay": "cosine"}},
+        },
+    )
+    assert config.build_strategy().client_schedule["lr"].rounds == 8  # the run's rounds
+
+
 def test_the_strategy_hands_out_the_scheduled_config_each_round():
     strategy = FedAvg(
         min_fit_clients=1,
