@@ -514,7 +514,7 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         "",
         "Best of 2, fedtrain's own code in one process, 4 MiB chunks. Per round the server "
         "does 1 checkpoint (in the background) + 1 begin_round and, per site, 1 receive "
-        "(an undo only for an upload that breaks off).",
+        "and 1 commit (an upload that breaks off is never folded).",
         "",
         "| piece | seconds | MB/s |",
         "|---|---|---|",
@@ -523,9 +523,10 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
             for name, key in (
                 ("checkpoint (direct I/O write + fsync + rename)", "checkpoint"),
                 ("begin_round (zeroed accumulator)", "begin_round"),
-                ("receive one update (validate, finiteness, journal in memory, add)", "receive"),
-                ("the same, journal on disk", "receive_disk"),
-                ("undo one update from its in-memory journal", "undo"),
+                ("receive one update (validate, finiteness, journal in memory)", "receive"),
+                ("commit: fold it into the sum from its in-memory journal", "commit"),
+                ("the same two, journal on disk: receive", "receive_disk"),
+                ("commit from the journal on disk (page cache)", "commit_disk"),
                 ("check_finite over one update, sum-first (now)", "check_finite"),
                 ("check_finite over one update, element-wise (before)", "check_finite_elementwise"),
                 ("raw Python gRPC upload of one model over loopback", "grpc_upload"),

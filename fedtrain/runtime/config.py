@@ -114,6 +114,62 @@ class SecAggServerSettings(SecAggSettings):
 
 
 @dataclass
+class WeightsConfig:
+    """How many examples a site's plain update may count for (see `runtime/weights.py`)."""
+
+    max_num_examples: int = option(
+        1_000_000_000,
+        "Most examples a site not named in weights.sites may declare for one update; "
+        "above it the update is refused or clipped (weights.action).",
+    )
+    sites: dict[str, int] = option(
+        {},
+        "Per-site caps, site name -> most examples it may declare (e.g. `hospital-a = "
+        "12000`): it replaces max_num_examples and the ratio check for that site.",
+    )
+    max_weight_ratio: float = option(
+        100.0,
+        "A site not named in weights.sites may declare at most this many times the median "
+        "of the other sites' latest admitted weights (this round's, else their last "
+        "upload's); 0: no ratio check. The default stops only the absurd: give each site "
+        "a cap in weights.sites, or lower this when the sites are of similar size.",
+    )
+    action: Literal["refuse", "clip"] = option(
+        "refuse",
+        "A declared weight over its limit: `refuse` the update (the site gets "
+        "PERMISSION_DENIED), or `clip` it to the limit and count it so.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_examples < 1:
+            raise ConfigError(f"weights.max_num_examples must be >= 1, got {self.max_num_examples}")
+        if self.max_weight_ratio != 0 and not self.max_weight_ratio >= 1:
+            raise ConfigError(
+                f"weights.max_weight_ratio = {self.max_weight_ratio} must be >= 1 (a site "
+                "at the median must pass), or 0 for no ratio check"
+            )
+        for site, cap in self.sites.items():
+            if cap < 1:
+                raise ConfigError(f"weights.sites.{site} = {cap} must be >= 1")
+
+    def check_sites(self, allowed_sites: list[str], secagg: bool) -> None:
+        """Per-site caps must name admitted sites, and can only bind plain updates."""
+        unknown = sorted(set(self.sites) - set(allowed_sites)) if allowed_sites else []
+        if unknown:
+            raise ConfigError(
+                f"weights.sites names {', '.join(map(repr, unknown))}, not in allowed_sites: "
+                "fix the name (a cap for a site that never joins protects nothing)"
+            )
+        if secagg and self.sites:
+            raise ConfigError(
+                "weights.sites cannot be enforced under secure aggregation: each site's "
+                "example count travels masked; secagg.max_weight is then the cap, applied "
+                "by the sites (see the README's security model). Remove weights.sites or "
+                "turn secure aggregation off"
+            )
+
+
+@dataclass
 class ServerConfig:
     task: str = option(doc="Task installed at the server and the sites, 'package.module:Class'.")
     task_options: dict[str, Any] = option({}, "Keyword arguments for the task's constructor.")
@@ -143,10 +199,11 @@ class ServerConfig:
     )
     upload_memory_mb: int = option(
         1024,
-        "RAM (MiB), shared by the uploads in flight, for the journals that let a broken "
-        "upload be taken back out of the sum; an upload whose whole update does not fit "
-        "in what is left journals to a file under the run dir instead (so models larger "
-        "than this always do). Server memory is ~2x the model plus this; 0: disk only.",
+        "RAM (MiB), shared by the uploads in flight, for the journals that keep each "
+        "update until it is whole and folded into the sum; an upload whose whole update "
+        "does not fit in what is left journals to a file under the run dir instead (so "
+        "models larger than this always do). Server memory is ~2x the model plus this; "
+        "0: disk only.",
     )
     metrics_port: int = option(
         0,
@@ -165,6 +222,9 @@ class ServerConfig:
     )
     client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
+    weights: WeightsConfig = section(
+        WeightsConfig, "What a site's declared example count may weigh (plain updates)."
+    )
     tls: ServerTlsConfig = section(
         ServerTlsConfig, "TLS (ca, cert, key) and how sites prove their certificates."
     )
@@ -195,6 +255,7 @@ class ServerConfig:
                 f"({self.chunk_bytes}) + {HEADER_ALLOWANCE}; raise it or lower chunk_bytes"
             )
         _check_heartbeat(self.heartbeat)
+        self.weights.check_sites(self.allowed_sites, self.secagg.enabled)
         for key, value in self.client.items():
             if not isinstance(value, bool | int | float | str):
                 raise ConfigError(

@@ -24,6 +24,7 @@ import grpc
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.admission import AdmissionGate, Refusal
+from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator
@@ -41,6 +42,7 @@ from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
+from fedtrain.runtime.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.spool_dir = spool_dir
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
+        self.weights = WeightPolicy(config.weights)
         # Each site holds a worker thread for its control stream; keep room for transfers.
         self.max_sites = max(1, config.max_workers // 2 - 1)
         # ...and for peers that have not answered their challenge yet, only a few.
@@ -435,11 +438,13 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             state.admit(session, header.round, header.model_version)
         except UploadRefused as exc:
             self._refuse(context, session, header.round, exc.code, str(exc))
+        weight = None if header.masked else self._weigh(state, session, header, context)
         try:
-            if isinstance(state, SecureRoundState):
+            if weight is None:
+                assert isinstance(state, SecureRoundState)
                 received = self._receive_masked(state, session, header, request_iterator)
             else:
-                received = self._receive(state, session, header, request_iterator)
+                received = self._receive(state, session, header, weight, request_iterator)
         except grpc.RpcError:
             state.abandon(session.site)
             log.warning("%s: the upload stream broke off; partial update discarded", where)
@@ -480,25 +485,70 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             bytes=received,
             num_examples=header.num_examples,
             masked=header.masked,
+            **({} if weight is None else {"num_examples_counted": weight.weight}),
         )
-        return pb.UploadReceipt(round=header.round, bytes_received=received)
+        return pb.UploadReceipt(
+            round=header.round,
+            bytes_received=received,
+            num_examples_counted=0 if weight is None else weight.weight,
+            notice="" if weight is None else weight.reason,
+        )
+
+    def _weigh(
+        self,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        context: grpc.ServicerContext,
+    ) -> WeightDecision:
+        """What a plain update's declared example count may count for (`weights.py`),
+        decided before any of its chunks is received; a refusal or a clip is audited."""
+        try:
+            decision = self.weights.admit(session.site, header.num_examples)
+        except WeightRefused as exc:
+            state.abandon(session.site)
+            self._audit_weight("weight_refused", session, header.round, exc.decision)
+            self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"site {session.site!r}, round {header.round}: {exc}",
+            )
+        if decision.over:
+            log.warning("site %r, round %d: %s", session.site, header.round, decision.reason)
+            self._audit_weight("weight_clipped", session, header.round, decision)
+        return decision
+
+    def _audit_weight(
+        self, event: str, session: Session, server_round: int, decision: WeightDecision
+    ) -> None:
+        self.audit.record(
+            event,
+            site=session.site,
+            round=server_round,
+            num_examples=decision.declared,
+            limit=decision.limit,
+            rule=decision.rule.value,
+            reason=decision.reason,
+        )
 
     def _receive(
         self,
-        state: RoundState,
+        state: RoundState | BufferedRounds,
         session: Session,
         header: pb.UploadHeader,
+        weight: WeightDecision,
         request_iterator: Iterator[pb.UpdateChunk],
     ) -> int:
-        """Validate, journal and fold one upload as it arrives; returns the bytes received.
+        """Validate and journal one upload as it arrives, and fold it from its journal
+        once whole, with the weight the policy let through; returns the bytes received.
 
-        On any failure the folded chunks are taken back out while the journal still
-        exists (the caller's `abandon` then finds nothing left to undo). An encoded
-        upload (`[compression]`) is journaled as its codec's parts and folded decoded
-        once whole.
+        An upload that fails on the way was never folded, so it leaves no trace in the
+        round's sum. An encoded upload (`[compression]`) is journaled as its codec's
+        parts and folded decoded.
         """
         specs = self.coordinator.global_model.state.specs
-        weight = float(header.num_examples)
         spool = (
             UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
             if self.codec.name == "none"
@@ -509,9 +559,15 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         with spool:
             try:
                 for chunk in self._chunks(session, header, request_iterator):
-                    state.fold(session.site, spool, spool.add(chunk), weight)
+                    if state.closed:  # e.g. the deadline passed: stop receiving at once
+                        raise UploadRefused(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"site {session.site!r}, round {header.round}: the round closed "
+                            "while the update was being received; update dropped",
+                        )
+                    spool.add(chunk)
                 spool.finish()
-                state.commit(session, spool, header.num_examples, dict(header.metrics))
+                state.commit(session, spool, weight.weight, dict(header.metrics))
             except BaseException:
                 state.abandon(session.site)
                 raise

@@ -405,6 +405,8 @@ class SiteDaemon:
                 header.codec = link.codec.name
             receipt = self._upload(link, header, chunks)
             clock.mark("upload")
+            if receipt.notice:  # the server's weight policy clipped this site's weight
+                log.warning("round %d: the server says: %s", server_round, receipt.notice)
             self.rounds_trained += 1
             log.info(
                 "round %d: trained on %d examples, uploaded %d bytes (%s)",
