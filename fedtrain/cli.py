@@ -157,15 +157,23 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    """Run a site daemon until it is stopped (or the run is done, with --exit-when-done);
+    then end the process at once (`fedtrain.teardown`)."""
+    import dataclasses
+
     from fedtrain.runtime.allocator import tune_allocator
 
     tune_allocator()  # before torch is imported (see its docstring)
+    log.info("starting the site (%s): loading torch and fedtrain's runtime", args.config)
     from fedtrain.runtime.config import load_site_config
     from fedtrain.runtime.lifecycle import stop_on_signals
     from fedtrain.runtime.site import SiteDaemon, site_name
     from fedtrain.runtime.site_parallel import run_follower, torchrun_follower, with_workers
+    from fedtrain.teardown import leave_now
 
     config = with_workers(load_site_config(args.config), devices=args.devices, nproc=args.nproc)
+    if args.exit_when_done:
+        config = dataclasses.replace(config, exit_when_done=True)
     if torchrun_follower():  # a rank > 0 of a multi-machine site: rank 0 is the daemon
         return run_follower(config, site_name(config, insecure=args.insecure))
     daemon = SiteDaemon(config, insecure=args.insecure)
@@ -173,8 +181,8 @@ def cmd_client(args: argparse.Namespace) -> int:
         daemon.run()
     if daemon.fatal is not None:
         print(f"error: {daemon.fatal}", file=sys.stderr)
-        return 1
-    return 0
+        leave_now(1)
+    leave_now(0)  # the group, channels and threads are closed; nothing else to wait for
 
 
 def _device_list(text: str) -> list[str]:
@@ -325,6 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure",
         action="store_true",
         help="no TLS (local tests only; the server must run --insecure too)",
+    )
+    client.add_argument(
+        "--exit-when-done",
+        dest="exit_when_done",
+        action="store_true",
+        help="exit (status 0) when the server says its run is complete, instead of waiting "
+        "for its next run (sets `exit_when_done`; for scripts, CI and Kubernetes Jobs)",
     )
     workers = client.add_mutually_exclusive_group()
     workers.add_argument(

@@ -241,6 +241,12 @@ class SiteConfig:
         "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
         "the daemon's own process. Set `devices` or `nproc`, not both.",
     )
+    exit_when_done: bool = option(
+        False,
+        "Exit (status 0) when the server says its run is complete, instead of waiting for "
+        "its next run: for scripts, CI and Kubernetes Jobs (`fedtrain client "
+        "--exit-when-done` sets it).",
+    )
     seed: int = option(
         0,
         "Seed of the site's initial model. Training draws a fresh seed (OS randomness) for "
