@@ -219,12 +219,13 @@ def _status_target(args: argparse.Namespace):
     from fedtrain.errors import ConfigError
     from fedtrain.runtime import tls
 
-    site = None
-    if args.config:  # imports torch (the config schema); plain flags stay light
-        from fedtrain.runtime.config import load_site_config
+    site_tls = None
+    address = args.server
+    if args.config:  # only its server and [tls]: no torch (the whole schema imports it)
+        from fedtrain.runtime.tls_config import site_server
 
-        site = load_site_config(args.config)
-    address = args.server or (site.server if site else None)
+        site_address, site_tls = site_server(args.config)
+        address = address or site_address
     if not address:
         raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")
     if args.insecure:
@@ -232,8 +233,8 @@ def _status_target(args: argparse.Namespace):
             raise ConfigError("--insecure and --ca/--cert/--key exclude each other; pick one")
         return address, None, ""
     ca, cert, key = args.ca, args.cert, args.key
-    if site is not None:
-        ca, cert, key = ca or site.tls.ca, cert or site.tls.cert, key or site.tls.key
+    if site_tls is not None:
+        ca, cert, key = ca or site_tls.ca, cert or site_tls.cert, key or site_tls.key
     if not (ca and cert and key):
         raise ConfigError(
             "fedtrain status needs --ca, --cert and --key: the federation's ca.crt and a "
@@ -241,7 +242,7 @@ def _status_target(args: argparse.Namespace):
             "--name operator --out operator`), or --config site.toml at a site; --insecure "
             "only for a server started with --insecure"
         )
-    server_name = args.server_name or (site.tls.server_name if site else "")
+    server_name = args.server_name or (site_tls.server_name if site_tls else "")
     return address, tls.channel_credentials(cert, key, ca), server_name
 
 

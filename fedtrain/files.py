@@ -1,20 +1,22 @@
 """Durable files: replaced atomically (write a temporary file beside, fsync, rename), so
-a reader, or a restart after a crash, sees the old file or the new one, never half.
+a reader, or a restart after a crash, sees the old file or the new one, never half; and
+JSON-lines files read while they may be growing.
 
-No torch here: the CLI's light commands (`fedtrain ca`, `fedtrain status`) write
-certificates and keys with it.
+No torch here: the CLI's light commands (`fedtrain ca`, `fedtrain status`, `fedtrain
+report`) use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_path", "atomic_write"]
+__all__ = ["atomic_path", "atomic_write", "read_jsonl"]
 
 
 @contextlib.contextmanager
@@ -45,3 +47,17 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], mode: int | None 
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a JSON-lines file ([] if there is none). A last line without its
+    newline that is not valid JSON is a record being appended right now (a live run)
+    or cut short by a crash: it is left out, not an error."""
+    if not path.exists():
+        return []
+    *lines, last = path.read_text(encoding="utf-8").split("\n")
+    records = [json.loads(line) for line in lines if line.strip()]
+    if last.strip():
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(last))
+    return records

@@ -15,41 +15,14 @@ from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, SiteTlsConfig, TlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
 from fedtrain.strategy import Strategy
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-@dataclass
-class TlsConfig:
-    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).")
-    cert: str = option("", "This machine's certificate (`fedtrain ca issue-server/-site`).")
-    key: str = option("", "The private key of `cert`.")
-
-    def require(self, where: str) -> tuple[Path, Path, Path]:
-        """The three paths, or a clear error naming the missing keys."""
-        missing = [k for k in ("ca", "cert", "key") if not getattr(self, k)]
-        if missing:
-            keys = ", ".join(f"tls.{k}" for k in missing)
-            raise ConfigError(
-                f"{where}: {keys} not set; mutual TLS needs the CA certificate and this "
-                "machine's certificate and key (or pass --insecure for a local test)"
-            )
-        return Path(self.ca), Path(self.cert), Path(self.key)
-
-
-@dataclass
-class SiteTlsConfig(TlsConfig):
-    server_name: str = option(
-        "",
-        "Host name to expect in the server certificate, when it differs from the "
-        "dialled address (e.g. dialling through a tunnel).",
-    )
 
 
 @dataclass
