@@ -119,7 +119,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     tune_allocator()  # before torch is imported (see its docstring)
 
-    from fedtrain.observability.progress import describe
+    from fedtrain.observability.progress import RoundProgress
     from fedtrain.runtime.config import load_server_config
     from fedtrain.runtime.lifecycle import stop_on_signals
     from fedtrain.runtime.server import AggregationServer
@@ -128,8 +128,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     if args.resume is not None:
         config = dataclasses.replace(config, run_dir=str(args.resume))
 
+    progress = RoundProgress(config.rounds, "server", live=False)  # log lines with an ETA
+
     def on_round(record: dict) -> None:
-        log.info(describe(record))
+        progress.update(record)
         if args.progress_jsonl:
             print(json.dumps(record, sort_keys=True), flush=True)
 

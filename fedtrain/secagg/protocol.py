@@ -54,6 +54,7 @@ from fedtrain.secagg.messages import (
     UnmaskShares,
 )
 from fedtrain.secagg.quantize import Quantizer
+from fedtrain.secagg.round_ids import describe
 
 logger = logging.getLogger(__name__)
 
@@ -77,25 +78,27 @@ def validate_params(params: RoundParams) -> Quantizer:
     """Checks every site (and the server) runs on the round's public parameters."""
     sites = params.sites
     if len(sites) < 2:
-        raise SecAggError(f"round {params.round_id}: needs at least 2 sites, got {len(sites)}")
+        raise SecAggError(f"{describe(params.round_id)}: needs at least 2 sites, got {len(sites)}")
     if list(sites) != sorted(set(sites)) or sites[0] < 1 or sites[-1] > MAX_SITE_ID:
         raise SecAggError(
-            f"round {params.round_id}: site ids must be sorted, distinct, in [1, 2^32 - 1]"
+            f"{describe(params.round_id)}: site ids must be sorted, distinct, in [1, 2^32 - 1]"
         )
     quantizer = params.quantizer()
     if len(sites) > quantizer.max_clients:
         raise SecAggError(
-            f"round {params.round_id}: {len(sites)} sites exceed max_clients="
+            f"{describe(params.round_id)}: {len(sites)} sites exceed max_clients="
             f"{quantizer.max_clients}; the sum could wrap"
         )
     if params.vector_length < 1:
-        raise SecAggError(f"round {params.round_id}: vector_length must be >= 1")
+        raise SecAggError(f"{describe(params.round_id)}: vector_length must be >= 1")
     if len(params.graph_seed) != GRAPH_SEED_BYTES:
-        raise SecAggError(f"round {params.round_id}: graph seed must be {GRAPH_SEED_BYTES} bytes")
+        raise SecAggError(
+            f"{describe(params.round_id)}: graph seed must be {GRAPH_SEED_BYTES} bytes"
+        )
     check_threshold(params.t, params.k, len(sites))
     if params.min_included > len(sites):
         raise SecAggError(
-            f"round {params.round_id}: min_included = {params.min_included} exceeds the "
+            f"{describe(params.round_id)}: min_included = {params.min_included} exceeds the "
             f"round's {len(sites)} sites"
         )
     return quantizer
@@ -226,7 +229,8 @@ class SecAggClient:
             raise SecAggError(f"site {self.site}: no round parameters")
         if round_id != params.round_id:
             raise SecAggError(
-                f"site {self.site}: message for round {round_id} during round {params.round_id}"
+                f"site {self.site}: message for {describe(round_id)} during "
+                f"{describe(params.round_id)}"
             )
         return params
 
@@ -455,24 +459,25 @@ class SecAggServer:
     def _fail(self, message: str) -> SecAggError:
         self._stage = Stage.FAILED
         self._journal.clear()
-        logger.warning("secagg round %d failed: %s", self.params.round_id, message)
-        return SecAggError(f"round {self.params.round_id}: {message}")
+        where = describe(self.params.round_id)
+        logger.warning("secure aggregation of %s failed: %s", where, message)
+        return SecAggError(f"{where}: {message}")
 
     def _check(self, msg: ClientMessage, stage: Stage, allowed: Iterable[int]) -> None:
         name = type(msg).__name__
         if msg.round_id != self.params.round_id:
             raise SecAggError(
-                f"{name} from site {msg.site} is for round {msg.round_id}, "
-                f"not {self.params.round_id}"
+                f"{name} from site {msg.site} is for {describe(msg.round_id)}, "
+                f"not {describe(self.params.round_id)}"
             )
         if self._stage != stage:
             raise SecAggError(
-                f"round {self.params.round_id}: {name} from site {msg.site} arrived in "
+                f"{describe(self.params.round_id)}: {name} from site {msg.site} arrived in "
                 f"stage {self._stage.name}; ignored (the site counts as dropped)"
             )
         if msg.site not in allowed:
             raise SecAggError(
-                f"round {self.params.round_id}: {name} from site {msg.site}, which is not "
+                f"{describe(self.params.round_id)}: {name} from site {msg.site}, which is not "
                 f"expected in stage {stage.name}"
             )
 
@@ -480,7 +485,7 @@ class SecAggServer:
     def start(self) -> dict[int, SetupRequest]:
         """The setup messages, one per site of the round."""
         if self._started:
-            raise SecAggError(f"round {self.params.round_id}: already started")
+            raise SecAggError(f"{describe(self.params.round_id)}: already started")
         self._started = True
         return {s: SetupRequest(s, self.params) for s in self.params.sites}
 
@@ -561,9 +566,9 @@ class SecAggServer:
                     u2.discard(u)
                     changed = True
                     logger.info(
-                        "secagg round %d: site %d has fewer than t-1=%d neighbours that "
-                        "shared keys; excluded",
-                        p.round_id,
+                        "secure aggregation, %s: site %d has fewer than t-1=%d neighbours "
+                        "that shared keys; excluded",
+                        describe(p.round_id),
                         u,
                         p.t - 1,
                     )
@@ -593,20 +598,20 @@ class SecAggServer:
         """
         if self._stage != Stage.MASKED_INPUT:
             raise SecAggError(
-                f"round {self.params.round_id}: masked data from site {site} in stage "
+                f"{describe(self.params.round_id)}: masked data from site {site} in stage "
                 f"{self._stage.name}; ignored"
             )
         if site not in self._u2:
             raise SecAggError(
-                f"round {self.params.round_id}: masked data from site {site}, which did not "
+                f"{describe(self.params.round_id)}: masked data from site {site}, which did not "
                 f"take part in key sharing"
             )
         if site in self._u3:
-            raise SecAggError(f"round {self.params.round_id}: site {site} sent its input twice")
+            raise SecAggError(f"{describe(self.params.round_id)}: site {site} sent its input twice")
         expected = self._progress.get(site, 0)
         if offset != expected:
             raise SecAggError(
-                f"round {self.params.round_id}: site {site} chunk at offset {offset}, "
+                f"{describe(self.params.round_id)}: site {site} chunk at offset {offset}, "
                 f"expected {expected}"
             )
         chunk = np.asarray(chunk)
@@ -631,9 +636,9 @@ class SecAggServer:
             offset += chunk.shape[0]
         if chunks:
             logger.info(
-                "secagg round %d: site %d's masked input broke after %d of %d values; "
-                "treated as dropped",
-                self.params.round_id,
+                "secure aggregation, %s: site %d's masked input broke after %d of %d "
+                "values; treated as dropped",
+                describe(self.params.round_id),
                 site,
                 offset,
                 self._agg.length,
@@ -788,8 +793,8 @@ class SecAggServer:
         self._stage = Stage.DONE
         included = tuple(u3)
         logger.info(
-            "secagg round %d: unmasked the sum of %d/%d sites",
-            p.round_id,
+            "secure aggregation, %s: unmasked the sum of %d/%d sites",
+            describe(p.round_id),
             len(included),
             len(p.sites),
         )
