@@ -178,6 +178,7 @@ def cmd_client(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, exit_when_done=True)
     if torchrun_follower():  # a rank > 0 of a multi-machine site: rank 0 is the daemon
         return run_follower(config, site_name(config, insecure=args.insecure))
+    log.info("loading task %s", config.task)  # the task's own imports may take a while
     daemon = SiteDaemon(config, insecure=args.insecure)
     with stop_on_signals(daemon.stop):
         daemon.run()
@@ -221,13 +222,12 @@ def _status_target(args: argparse.Namespace):
     from fedtrain.errors import ConfigError
     from fedtrain.runtime import tls
 
-    site_tls = None
-    address = args.server
+    site = None
     if args.config:  # only its server and [tls]: no torch (the whole schema imports it)
-        from fedtrain.runtime.tls_config import site_server
+        from fedtrain.runtime.tls_config import read_site_server
 
-        site_address, site_tls = site_server(args.config)
-        address = address or site_address
+        site = read_site_server(args.config)
+    address = args.server or (site.server if site else None)
     if not address:
         raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")
     if args.insecure:
@@ -235,8 +235,8 @@ def _status_target(args: argparse.Namespace):
             raise ConfigError("--insecure and --ca/--cert/--key exclude each other; pick one")
         return address, None, ""
     ca, cert, key = args.ca, args.cert, args.key
-    if site_tls is not None:
-        ca, cert, key = ca or site_tls.ca, cert or site_tls.cert, key or site_tls.key
+    if site is not None:
+        ca, cert, key = ca or site.tls.ca, cert or site.tls.cert, key or site.tls.key
     if not (ca and cert and key):
         raise ConfigError(
             "fedtrain status needs --ca, --cert and --key: the federation's ca.crt and a "
@@ -244,7 +244,7 @@ def _status_target(args: argparse.Namespace):
             "--name operator --out operator`), or --config site.toml at a site; --insecure "
             "only for a server started with --insecure"
         )
-    server_name = args.server_name or (site_tls.server_name if site_tls else "")
+    server_name = args.server_name or (site.tls.server_name if site else "")
     return address, tls.channel_credentials(cert, key, ca), server_name
 
 

@@ -52,7 +52,7 @@ from fedtrain.secagg import (
     UnmaskShares,
     decode_message,
 )
-from fedtrain.secagg.round_ids import round_id
+from fedtrain.secagg.round_ids import round_id as secagg_round_id
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import WeightedSum
 
@@ -92,7 +92,7 @@ class SecureRoundState(RoundState):
         try:
             self._server = SecAggServer.from_config(
                 self.settings.protocol(),
-                round_id(self.round, self.attempt),
+                secagg_round_id(self.round, self.attempt),
                 self.ids.values(),
                 self.layout.length,
                 min_included=self.min_included,

@@ -135,8 +135,6 @@ class SiteDaemon:
         else:
             ca, cert, key = config.tls.require("site.toml")
             self._credentials = tls.channel_credentials(cert, key, ca)
-        if task is None:
-            log.info("loading task %s", config.task)
         self.task = task or load_task(config.task, config.task_options)
         self.fingerprint = task_fingerprint(self.task)
         #: DDP workers that train every round, kept across rounds and reconnects (started

@@ -44,8 +44,16 @@ class SiteTlsConfig(TlsConfig):
     )
 
 
-def site_server(path: str | Path) -> tuple[str, SiteTlsConfig]:
-    """(server address, [tls] table) of a site.toml, with the defaults `SiteConfig` has.
+@dataclass(frozen=True)
+class SiteServer:
+    """Where a site.toml says its server is, and the certificate it dials with."""
+
+    server: str
+    tls: SiteTlsConfig
+
+
+def read_site_server(path: str | Path) -> SiteServer:
+    """`server` and `[tls]` of a site.toml, with the defaults `SiteConfig` has.
 
     Only these two keys are read and checked; the daemon checks the whole file.
     """
@@ -53,4 +61,4 @@ def site_server(path: str | Path) -> tuple[str, SiteTlsConfig]:
     server = raw.get("server", DEFAULT_ADDRESS)
     if not isinstance(server, str):
         raise ConfigError(f"{path}: server = {server!r} should be 'host:port'")
-    return server, from_dict(SiteTlsConfig, raw.get("tls", {}), "tls")
+    return SiteServer(server, from_dict(SiteTlsConfig, raw.get("tls", {}), "tls"))
