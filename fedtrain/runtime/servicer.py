@@ -78,7 +78,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             yield _reject(reason)
             return
         if self.coordinator.finished.is_set():
-            yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+            yield pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE))
             return
         session, replaced = self.registry.add(site, context.peer())
         if replaced is not None:
