@@ -180,8 +180,6 @@ class SiteDaemon:
         """Start the worker group (if any), join and serve instructions; reconnect with
         backoff until `stop()`. The group is closed on the way out, however it goes."""
         if self.group is not None:
-            log.info("starting %d training worker processes", self.config.world_size)
-            started = time.monotonic()
             try:
                 self.group.start()  # before joining: a site that cannot train stays away
             except BaseException as exc:
@@ -191,7 +189,6 @@ class SiteDaemon:
                         f"site {self.name!r} cannot train: {exc}", exc.failures, restarting=False
                     ) from None
                 raise
-            log.info("training workers ready in %.1fs", time.monotonic() - started)
         trainer = threading.Thread(target=self._train_loop, name="fedtrain-trainer", daemon=True)
         trainer.start()
         backoff = Backoff(self.config.reconnect.min_s, self.config.reconnect.max_s)
