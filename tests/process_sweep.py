@@ -31,6 +31,8 @@ from typing import Any
 
 import psutil
 
+from benchmarks.procstats import processes_with_env
+
 #: Prefix of the marker variable; the rest is this session's id, so a pytest run inside
 #: a test (tests/test_process_sweep.py) marks its own processes and keeps the outer mark.
 MARKER_PREFIX = "FEDTRAIN_TEST_SESSION_"
@@ -71,26 +73,12 @@ def _interrupted(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def session_processes(name: str) -> list[psutil.Process]:
-    """Live processes (not this one) whose environment holds the variable `name`."""
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
-            continue
-        try:
-            if name in proc.environ():
-                found.append(proc)
-        except psutil.Error:  # gone, a zombie, or not ours to read
-            continue
-    return found
-
-
 def sweep() -> str:
     """Stop every live process of this session (SIGTERM, then SIGKILL); says which
     (multiprocessing's resource tracker, which lives as long as pytest, goes unsaid)."""
     if not _marker or os.getpid() != _owner:
         return ""
-    procs = session_processes(_marker)
+    procs = processes_with_env(_marker, str(_owner))
     said = ", ".join(f"{p.pid} ({_name(p)})" for p in procs if not is_resource_tracker(p))
     for proc in procs:
         with contextlib.suppress(psutil.Error):

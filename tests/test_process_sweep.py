@@ -24,6 +24,8 @@ import psutil
 import pytest
 from process_sweep import MARKER_PREFIX
 
+from benchmarks.procstats import processes_with_env
+
 HERE = Path(__file__).resolve().parent
 
 INNER = """
@@ -48,26 +50,12 @@ def test_starts_a_federation_and_hangs_or_leaks():
     group.start("site-b", SLEEP)
     plain = subprocess.Popen(SLEEP)
     pids = [p.pid for p in group.procs.values()] + [plain.pid]
-    Path(os.environ["PIDS_FILE"]).write_text(json.dumps(pids))
+    marker = [(k, v) for k, v in os.environ.items() if k.startswith("FEDTRAIN_TEST_SESSION_")]
+    Path(os.environ["PIDS_FILE"]).write_text(json.dumps({"pids": pids, "marker": marker[-1]}))
     if os.environ["ENDING"] == "leak":
         return  # passes, and leaves all of them running
     time.sleep(600)
 """
-
-
-def _marked_by(owner: int) -> list[int]:
-    """Live processes marked by the session whose pytest process is `owner`."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            env = proc.environ()
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-        except psutil.Error:
-            continue
-        if any(k.startswith(MARKER_PREFIX) and v == str(owner) for k, v in env.items()):
-            found.append(proc.pid)
-    return found
 
 
 @pytest.mark.integration
@@ -75,12 +63,11 @@ def _marked_by(owner: int) -> list[int]:
 @pytest.mark.parametrize("ending", ["SIGINT", "SIGTERM", "leak"])
 def test_an_interrupted_run_leaves_no_process(tmp_path: Path, ending: str) -> None:
     (tmp_path / "test_inner.py").write_text(INNER)
-    pids_file = tmp_path / "pids.json"
-    root = HERE.parent
+    started_file = tmp_path / "started.json"
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), str(root)]),
-        "PIDS_FILE": str(pids_file),
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)]),
+        "PIDS_FILE": str(started_file),
         "ENDING": ending,
     }
     inner = subprocess.Popen(
@@ -91,36 +78,39 @@ def test_an_interrupted_run_leaves_no_process(tmp_path: Path, ending: str) -> No
         stderr=subprocess.STDOUT,
         text=True,
     )
-    started: list[int] = []
+    pids: list[int] = []
+    marked: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 120
-        while not pids_file.exists() or not pids_file.read_text():
+        while not started_file.exists() or not started_file.read_text():
             assert inner.poll() is None or ending == "leak", inner.communicate()[0]
             assert time.monotonic() < deadline, "the inner run never started its processes"
             time.sleep(0.1)
-        started = json.loads(pids_file.read_text())
-        wait_for_grandchild = time.monotonic() + 30
-        while len(_marked_by(inner.pid)) < 5 and time.monotonic() < wait_for_grandchild:
-            time.sleep(0.1)  # the daemon's worker starts a moment later
+        started = json.loads(started_file.read_text())
+        pids, (key, value) = started["pids"], started["marker"]
+        assert key.startswith(MARKER_PREFIX) and value == str(inner.pid)
+        deadline = time.monotonic() + 30
+        while len(marked := processes_with_env(key, value)) < 5:  # + the daemon's worker
+            assert time.monotonic() < deadline, marked
+            time.sleep(0.1)
         if ending != "leak":
             inner.send_signal(getattr(signal, ending))
         output, _ = inner.communicate(timeout=60)
         assert inner.returncode == (0 if ending == "leak" else 2), output
         if ending == "leak":
             assert "process_sweep: stopped what the tests left running" in output, output
-        left = [pid for pid in started if psutil.pid_exists(pid) and not _zombie(pid)]
-        assert left == [], output
-        assert _marked_by(inner.pid) == [], output  # the grandchild too
+        assert [pid for pid in pids if _alive(pid)] == [], output
+        assert processes_with_env(key, value) == [], output  # the grandchild too
     finally:
         if inner.poll() is None:
             inner.kill()
-        for pid in started + _marked_by(inner.pid):
+        for proc in marked:
             with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
+                proc.kill()
 
 
-def _zombie(pid: int) -> bool:
+def _alive(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
-        return True
+        return False
