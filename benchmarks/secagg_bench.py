@@ -3,7 +3,7 @@
     python benchmarks/secagg_bench.py [--repeat 3] [--flower]
 
 For each case (n sites, m values per update) one process drives every client and the
-server through all four stages, every message through its byte encoding
+server through all stages, every message through its byte encoding
 (`run_in_memory(..., through_bytes=True)`). Everything runs on one thread (torch
 too), and times are **CPU seconds** of this process (`time.process_time`): the machine
 is shared, and CPU time is what a quiet machine's wall time would be, whatever the
@@ -22,6 +22,17 @@ other jobs do; the whole round's wall time is printed beside it. Reported, best 
 - ``plain round``: fedtrain's own plain aggregation of the same updates (n plain
   preparations plus the FedAvg `WeightedSum` folding n updates), and the secure
   round's overhead over it.
+
+The main table (and Flower's) runs with the consistency check off: the protocol under
+the threat model Flower's SecAgg+ has, an honest-but-curious server. A second table
+runs each case again with the check on, fedtrain's default with certificates (site
+identities here from an in-memory PKI: Ed25519, as in a deployment once each
+neighbour's certificate is verified and cached), and reports what the check costs:
+per client, the difference in CPU seconds over all stages, and three of its parts
+timed directly (verifying the neighbours' signed keys; signing the survivor set and
+MACing it for each neighbour; checking the holders' attestations, MACs from
+neighbours and signatures from others, before revealing), beside the masking
+(stage 2); for the server, the difference in its compute (it checks every signature).
 
 With ``--flower`` the same n, m, k and t also go through Flower 1.42's SecAgg+ client
 stages and server unmasking (`benchmarks/flower_secagg.py`), in CPU seconds too: its
@@ -47,6 +58,7 @@ import torch
 
 from fedtrain.runtime.site import delta_chunks
 from fedtrain.secagg import (
+    ConsistencyRequest,
     KeysBroadcast,
     RoutedShares,
     SecAggClient,
@@ -72,7 +84,14 @@ STAGES = {
     SetupRequest: "setup",
     KeysBroadcast: "share_keys",
     RoutedShares: "masked_input",
+    ConsistencyRequest: "consistency",
     UnmaskRequest: "unmask",
+}
+#: Parts of the consistency check timed on their own (client methods -> bucket).
+CHECK_PARTS = {
+    "_check_advert": "verify_keys",
+    "_consistency": "sign_survivors",
+    "_check_consistency": "verify_signatures",
 }
 
 
@@ -83,6 +102,7 @@ class Case:
     n: int
     m: int
     k: int | None
+    check: bool = False
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(0)
@@ -91,7 +111,11 @@ class Case:
         ]
         self.weights = [float(w) for w in rng.integers(1, 1000, size=self.n)]
         self.config = SecAggConfig(
-            clip=0.1, max_clients=max(self.n, 100), max_weight=1000.0, k=self.k
+            clip=0.1,
+            max_clients=max(self.n, 100),
+            max_weight=1000.0,
+            k=self.k,
+            consistency_check=self.check,
         )
         self.k_used, self.t_used = self.config.degree_and_threshold(self.n)
 
@@ -117,6 +141,9 @@ def stage_clock() -> Iterator[dict[str, float]]:
             SecAggClient, "handle", timed(SecAggClient.handle, lambda a: STAGES[type(a[0])])
         )
     ]
+    for name, bucket in CHECK_PARTS.items():
+        method = getattr(SecAggClient, name)
+        patches.append(mock.patch.object(SecAggClient, name, timed(method, lambda a, b=bucket: b)))
     for name in ("start", "receive", "advance", "finish"):
         patches.append(
             mock.patch.object(
@@ -189,6 +216,7 @@ def measure(case: Case, repeat: int) -> dict[str, float]:
         "round_wall": wall,
         "client": client,
         "client_mask": stages["masked_input"],
+        **{part: totals.get(part, 0.0) / case.n for part in CHECK_PARTS.values()},
         "server": totals.get("server", 0.0),
         **pieces,
         "plain_round": case.n * pieces["plain_prep"] + pieces["plain_fold"],
@@ -219,6 +247,17 @@ FLOWER_COLUMNS = (
 )
 
 
+CHECK_COLUMNS = (
+    "case",
+    "client: masking (stage 2)",
+    "client: check (on - off)",
+    "verify keys / sign U3 / check attestations",
+    "check / masking",
+    "server: check (on - off)",
+    "round on / off",
+)
+
+
 def row(cells: Sequence[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -237,9 +276,23 @@ def main() -> None:
     torch.set_num_threads(1)
     print(header(COLUMNS))
     flower_rows = []
+    check_rows = []
     for n, m, k in CASES:
         case = Case(n, m, k)
         f = measure(case, args.repeat)
+        on = measure(Case(n, m, k, check=True), args.repeat)
+        extra = on["client"] - f["client"]
+        check_rows.append(
+            [
+                f"n={n}, m={m:,} (k={case.k_used}, t={case.t_used})",
+                f"{on['client_mask'] * 1e3:.1f} ms",
+                f"{extra * 1e3:.2f} ms",
+                " / ".join(f"{on[p] * 1e3:.2f}" for p in CHECK_PARTS.values()) + " ms",
+                f"{extra / on['client_mask']:.0%}",
+                f"{(on['server'] - f['server']) * 1e3:.0f} ms",
+                f"{on['round']:.2f} s / {f['round']:.2f} s",
+            ]
+        )
         flower = FLOWER_ROUND_S[(n, m)]
         name = f"n={n}, m={m:,} (k={case.k_used}, t={case.t_used})"
         cells = [
@@ -272,6 +325,10 @@ def main() -> None:
                     f"{flower_round / f['round']:.0f}x",
                 ]
             )
+    print("\nConsistency check (CPU; on - off over all stages, and its parts with it on)\n")
+    print(header(CHECK_COLUMNS))
+    for cells in check_rows:
+        print(row(cells), flush=True)
     if flower_rows:
         print("\n" + header(FLOWER_COLUMNS))
         for cells in flower_rows:

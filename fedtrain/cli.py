@@ -127,6 +127,11 @@ def cmd_server(args: argparse.Namespace) -> int:
     config = load_server_config(args.config)
     if args.resume is not None:
         config = dataclasses.replace(config, run_dir=str(args.resume))
+    resume = args.resume is not None
+    if args.resume_if_present:
+        resume = _resume_decision(config.run_dir, config.rounds)
+        if resume is None:
+            return 0
 
     progress = RoundProgress(config.rounds, "server", live=False)  # log lines with an ETA
 
@@ -135,9 +140,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         if args.progress_jsonl:
             print(json.dumps(record, sort_keys=True), flush=True)
 
-    server = AggregationServer(
-        config, insecure=args.insecure, resume=args.resume is not None, on_round=on_round
-    )
+    server = AggregationServer(config, insecure=args.insecure, resume=resume, on_round=on_round)
     with stop_on_signals(server.coordinator.stop):
         server.start()
         try:
@@ -156,6 +159,35 @@ def cmd_server(args: argparse.Namespace) -> int:
             server.run_dir.path,
         )
     return 0
+
+
+def _resume_decision(run_dir: str, rounds: int) -> bool | None:
+    """--resume-if-present: resume (True), start (False), or nothing to do (None), by
+    `RunDir.progress`, the one rule the systemd unit restarts by."""
+    from fedtrain.run_dir import RunDir, RunProgress
+
+    run = RunDir(run_dir)
+    progress = run.progress(rounds)
+    if progress is RunProgress.COMPLETE:
+        log.info(
+            "the run in %s is complete (%d rounds; final model %s): nothing to do. To train "
+            "again, set run_dir to a new directory (or raise rounds to continue this run)",
+            run.path,
+            rounds,
+            run.model_path,
+        )
+        return None
+    if progress is RunProgress.NOT_STARTED:
+        # Lines of a first round that crashed before its checkpoint: it runs again.
+        if dropped := run.settle_metrics(0)[0]:
+            log.warning(
+                "no checkpoint in %s: starting the run; %d metrics line(s) of a round that "
+                "never reached its checkpoint dropped",
+                run.path,
+                dropped,
+            )
+        return False
+    return True
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -206,8 +238,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     if not args.verbose:  # the answer goes to stdout; keep "TLS: ..." info lines out of it
         logging.getLogger("fedtrain").setLevel(logging.WARNING)
-    address, credentials, server_name = _status_target(args)
-    state = fetch_status(address, credentials, server_name=server_name, timeout_s=args.timeout)
+    address, identity, server_name = _status_target(args)
+    state = fetch_status(address, identity, server_name=server_name, timeout_s=args.timeout)
     if args.json:
         print(state.to_json())
     elif sys.stdout.isatty():
@@ -218,9 +250,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _status_target(args: argparse.Namespace):
-    """(address, channel credentials or None, TLS server name) from the flags / site.toml."""
+    """(address, client identity or None, TLS server name) from the flags / site.toml."""
     from fedtrain.errors import ConfigError
-    from fedtrain.runtime import tls
+    from fedtrain.runtime.peer_auth import client_identity
 
     site = None
     if args.config:  # only its server and [tls]: no torch (the whole schema imports it)
@@ -245,7 +277,7 @@ def _status_target(args: argparse.Namespace):
             "only for a server started with --insecure"
         )
     server_name = args.server_name or (site.tls.server_name if site else "")
-    return address, tls.channel_credentials(cert, key, ca), server_name
+    return address, client_identity(cert, key, ca), server_name
 
 
 # -- report ------------------------------------------------------------------------------
@@ -311,11 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     server = sub.add_parser("server", help="run the aggregation server")
     server.add_argument("--config", type=Path, required=True, help="server.toml")
-    server.add_argument(
+    resume = server.add_mutually_exclusive_group()
+    resume.add_argument(
         "--resume",
         type=Path,
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint",
+    )
+    resume.add_argument(
+        "--resume-if-present",
+        dest="resume_if_present",
+        action="store_true",
+        help="continue the run in the config's run_dir if it has a checkpoint, start it if "
+        "not, exit 0 if it is complete (for service managers: server/fedtrain-server.service)",
     )
     server.add_argument(
         "--insecure",

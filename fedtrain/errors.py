@@ -41,7 +41,16 @@ class TaskError(FedtrainError):
 
 class CertificateError(FedtrainError):
     """A TLS certificate or key is missing, unreadable, expired, not signed by the
-    federation CA, issued for another purpose, or does not match its key."""
+    federation CA, issued for another purpose, or does not match its key.
+
+    `cause` names the failed check in one word (`foreign_ca`, `expired`,
+    `not_yet_valid`, `wrong_key_usage`, `key_mismatch`, `bad_certificate`) so that a
+    refused peer's audit record can be filtered on it; "" when no single check applies.
+    """
+
+    def __init__(self, message: str, *, cause: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class WorkerGroupError(FedtrainError):

@@ -5,16 +5,22 @@ Layout (the runtime adds `audit.jsonl`):
     RUN_DIR/config.json        the resolved config, every default filled in
     RUN_DIR/metrics.jsonl      one JSON line per round
     RUN_DIR/checkpoint.ft      latest round: model + strategy state + round (atomic;
-                               `fedtrain.tensor_file` format, written past the page cache)
+                               `fedtrain.tensor_file` format, written past the page cache,
+                               checksummed), and that round's metrics line
     RUN_DIR/model.pt           the final global model (tensors only)
 
 Files are replaced atomically (write to a temporary file, fsync, rename), so a crash
-at any moment leaves the previous checkpoint intact.
+at any moment leaves the previous checkpoint intact. A resume settles metrics.jsonl
+against the checkpoint (`settle_metrics`): lines of rounds after it go (those rounds
+run again), and the checkpointed round's own line is written from the checkpoint if
+the crash came before it, so every round has exactly one line.
 """
 
 from __future__ import annotations
 
+import enum
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,8 @@ from fedtrain.files import atomic_write
 from fedtrain.tensor_file import load_tensor_file, save_tensor_file
 from fedtrain.tensors import ModelState
 
+log = logging.getLogger(__name__)
+
 
 def save_state(path: Path, state: ModelState) -> None:
     atomic_write(path, lambda f: torch.save(dict(state.items()), f))
@@ -34,6 +42,14 @@ def save_state(path: Path, state: ModelState) -> None:
 def load_state(path: Path) -> ModelState:
     # weights_only: a model file never executes code when loaded.
     return ModelState(torch.load(path, map_location="cpu", weights_only=True))
+
+
+class RunProgress(enum.Enum):
+    """Where a run directory's run stands (`RunDir.progress`), for a restart's decision."""
+
+    NOT_STARTED = "not_started"  # no checkpoint: start the run
+    INTERRUPTED = "interrupted"  # a checkpoint before the end, or no final model yet: resume
+    COMPLETE = "complete"  # the last round is checkpointed and the final model saved
 
 
 class RunDir:
@@ -69,21 +85,40 @@ class RunDir:
         with self.metrics_path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
 
-    def drop_metrics_after(self, server_round: int) -> int:
-        """Remove the lines of rounds after `server_round` (a resume re-runs them); returns
-        how many were removed."""
-        records = self.read_metrics()
+    def settle_metrics(
+        self, server_round: int, record: Mapping[str, Any] | None = None
+    ) -> tuple[int, bool]:
+        """Make metrics.jsonl end with round `server_round` (the checkpointed one): remove
+        the lines of later rounds (a resume runs them again) and, when `record` (that
+        round's line, carried in its checkpoint) is given and its line is missing, write
+        it. Returns (lines removed, whether `record` was written)."""
+        records, torn = self._read_metrics()
         keep = [r for r in records if r.get("round", 0) <= server_round]
-        if len(keep) != len(records):
+        restored = record is not None and all(r.get("round") != server_round for r in keep)
+        if restored:
+            keep.append(dict(record or {}))
+        if keep != records or torn:
             text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep).encode()
             atomic_write(self.metrics_path, lambda f: f.write(text))
-        return len(records) - len(keep)
+        return len(records) + restored - len(keep), restored
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """Every line; a last line cut short by a crash (no newline, not JSON) is skipped."""
+        return self._read_metrics()[0]
+
+    def _read_metrics(self) -> tuple[list[dict[str, Any]], bool]:
+        """The lines, and whether the file ends in a line cut short (skipped)."""
         if not self.metrics_path.exists():
-            return []
-        with self.metrics_path.open(encoding="utf-8") as f:
-            return [json.loads(line) for line in f if line.strip()]
+            return [], False
+        *lines, last = self.metrics_path.read_text(encoding="utf-8").split("\n")
+        records = [json.loads(line) for line in lines if line.strip()]
+        if not last.strip():
+            return records, bool(last)
+        try:
+            records.append(json.loads(last))  # complete, only its newline is missing
+        except json.JSONDecodeError:
+            log.warning("%s: its last line was cut short by a crash; skipped", self.metrics_path)
+        return records, True
 
     def save_checkpoint(
         self,
@@ -101,15 +136,41 @@ class RunDir:
         save_tensor_file(self.checkpoint_path, payload)
 
     def load_checkpoint(self) -> tuple[int, ModelState, dict[str, Any], dict[str, Any]]:
+        """(round, model, strategy state, extra) of the checkpoint, every checksum verified."""
         if self.checkpoint_path.exists():
             payload = load_tensor_file(self.checkpoint_path)
         elif self.legacy_checkpoint_path.exists():
+            log.warning(
+                "%s is a torch.save checkpoint from before checksums: it is loaded unverified; "
+                "the next checkpoint is written, with checksums, to %s",
+                self.legacy_checkpoint_path,
+                self.checkpoint_path.name,
+            )
             payload = torch.load(self.legacy_checkpoint_path, map_location="cpu", weights_only=True)
         else:
             raise ConfigError(
                 f"no checkpoint in {self.path}: nothing to resume (start without --resume)"
             )
         return payload["round"], ModelState(payload["model"]), payload["strategy"], payload["extra"]
+
+    def checkpointed_round(self) -> int | None:
+        """The round the checkpoint holds (its header alone is read); None without one."""
+        if self.checkpoint_path.exists():
+            return int(load_tensor_file(self.checkpoint_path, tensors=False)["round"])
+        if self.legacy_checkpoint_path.exists():
+            payload = torch.load(self.legacy_checkpoint_path, mmap=True, weights_only=True)
+            return int(payload["round"])
+        return None
+
+    def progress(self, rounds: int) -> RunProgress:
+        """Where this directory's run of `rounds` rounds stands: the one rule a restart
+        (`fedtrain server --resume-if-present`, the systemd unit) decides by."""
+        done = self.checkpointed_round()
+        if done is None:
+            return RunProgress.NOT_STARTED
+        if done >= rounds and self.model_path.exists():
+            return RunProgress.COMPLETE
+        return RunProgress.INTERRUPTED
 
     def save_model(self, state: ModelState) -> None:
         save_state(self.model_path, state)

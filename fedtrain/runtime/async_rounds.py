@@ -15,7 +15,8 @@ versions the model moved since the job's base version. An update staler than
 servicer's `upload_rejected`) and counted in the version's metrics. The K-th update
 swaps in a fresh buffer at once (uploads keep folding while the full one is applied),
 and the coordinator thread turns the full buffer into the next version: publish,
-hand the waiting sites their next jobs, checkpoint, evaluate, log.
+hand the waiting sites their next jobs, evaluate, checkpoint (with the version's
+metrics record, as a round's), log.
 
 All decisions about jobs and the buffer happen under one lock, shared by the upload
 handlers, the control streams (joins, leaves, errors) and the coordinator thread.
@@ -147,7 +148,6 @@ class BufferedRounds:
                 self.closed = True
             else:
                 self._assign_idle()  # the sites that waited for this version
-        coordinator.checkpoint(model)
         record: dict[str, Any] = {
             "round": version,
             "clients": filling.buffer.count,

@@ -15,7 +15,7 @@ from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
-from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, SiteTlsConfig, TlsConfig
+from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.simulation.config import PartitionConfig, StrategyConfig
@@ -48,13 +48,23 @@ class SecAggServerSettings(SecAggSettings):
         "Stage 2 (local training + the masked upload); 0: until the round's deadline "
         "(round_timeout_s).",
     )
+    consistency_timeout_s: float = option(
+        30.0,
+        "Stage 3 (with consistency_check): how long to wait for the survivors' signatures "
+        "of the survivor set; those that have not signed by then are not asked to unmask.",
+    )
     unmask_timeout_s: float = option(
-        30.0, "Stage 3: how long to wait for the survivors' unmasking shares."
+        30.0, "Stage 4: how long to wait for the survivors' unmasking shares."
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("setup_timeout_s", "share_keys_timeout_s", "unmask_timeout_s"):
+        for key in (
+            "setup_timeout_s",
+            "share_keys_timeout_s",
+            "consistency_timeout_s",
+            "unmask_timeout_s",
+        ):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"secagg.{key} must be > 0, got {getattr(self, key)!r}")
         if not self.masked_input_timeout_s >= 0:
@@ -115,7 +125,9 @@ class ServerConfig:
         "Round config sent to every chosen site (epochs, batch_size, lr, momentum, ...).",
     )
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
-    tls: TlsConfig = section(TlsConfig, "Mutual TLS (ca, cert, key).")
+    tls: ServerTlsConfig = section(
+        ServerTlsConfig, "TLS (ca, cert, key) and how sites prove their certificates."
+    )
     secagg: SecAggServerSettings = section(
         SecAggServerSettings, "Secure aggregation (`secagg = true` or a [secagg] table)."
     )
@@ -230,12 +242,20 @@ class SiteConfig:
         "Train only for a server that runs secure aggregation: this site's update then "
         "never leaves it unmasked, and it refuses any other server or instruction.",
     )
+    require_consistency_check: bool = option(
+        True,
+        "With TLS, take part in a secure round only if the server runs the consistency "
+        "check (secagg.consistency_check), without which a server that lies about who "
+        "dropped out could unmask this site's update. Turn off only to join such a server.",
+    )
     max_message_bytes: int = option(
         64 * 1024 * 1024, "gRPC message size limit; must exceed the server's chunk_bytes."
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
-    tls: SiteTlsConfig = section(SiteTlsConfig, "Mutual TLS (ca, cert, key, server_name).")
+    tls: SiteTlsConfig = section(
+        SiteTlsConfig, "TLS (ca, cert, key, server_name): the site's certificate and the CA."
+    )
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -4,14 +4,16 @@ Each round: wait (on a condition, not a timer) until the strategy has enough
 connected sites, let it choose participants, push an instruction onto each chosen
 site's control stream, and wait until every chosen site has settled (update folded,
 error reported, or gone) or the deadline passes. If the strategy's minimum number
-of results arrived, the new global model is finalized, evaluated and logged, and
-its checkpoint is written while the next round runs (`checkpoints.py`); otherwise
+of results arrived, the new global model is finalized and evaluated, its checkpoint
+(carrying the round's metrics record, so a crash cannot lose it) is written while
+the next round runs (`checkpoints.py`), and the record is logged; otherwise
 the round is tried again with whoever is connected. Nothing here
 blocks without a bound except waiting for sites to exist at all.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -29,10 +31,12 @@ from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
 from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
-from fedtrain.runtime.checkpoints import CheckpointWriter
+from fedtrain.runtime.checkpoints import CheckpointWriter, settle_run_record
 from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.faults import fault_point
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry, instruct
 from fedtrain.secagg.settings import require_sum_only
@@ -60,6 +64,12 @@ class GlobalModel:
     round: int  # rounds completed when this model came out
     version: str  # new_model_version(): names this model on the wire and in the audit log
     state: ModelState
+
+
+def _plain(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` as JSON gives them back: plain types a checkpoint loads without pickle
+    (numpy scalars become floats, tuples lists), equal to what metrics.jsonl holds."""
+    return json.loads(json.dumps(values))
 
 
 def new_model_version() -> str:
@@ -112,8 +122,12 @@ class Coordinator:
         *,
         resume: bool = False,
         on_round: RoundCallback | None = None,
+        secagg_verifier: CertificateVerifier | None = None,
     ) -> None:
         self.config = config
+        #: Checks the sites' secure-aggregation credentials (None without TLS: the
+        #: consistency check is then off, for the sites cannot sign).
+        self.secagg_verifier = secagg_verifier
         self.task = task
         self.strategy = strategy
         self.run_dir = run_dir
@@ -225,8 +239,7 @@ class Coordinator:
         self.rng.bit_generator.state = extra["rng"]
         self._checkpoint_extra = extra
         log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
-        if dropped := self.run_dir.drop_metrics_after(done):
-            log.info("round(s) after %d were not checkpointed and run again (%d)", done, dropped)
+        self.last_metrics = settle_run_record(self.run_dir, self.audit, done, extra)
         return GlobalModel(done, str(extra["model_version"]), state), str(extra["run_id"])
 
     def _bind_eval_model(self, state: ModelState) -> None:
@@ -336,6 +349,7 @@ class Coordinator:
                 sessions=sessions,
                 audit=self.audit,
                 min_included=self._needed(len(plan)),
+                verifier=self.secagg_verifier,
             )
         for site, session in sessions.items():
             if session is None:
@@ -417,7 +431,6 @@ class Coordinator:
             model = self.publish(server_round, new_state)
         else:
             model = self.global_model = replace(self.global_model, round=server_round)
-        self.checkpoint(model)
         record: dict[str, Any] = {
             "round": server_round,
             "attempts": state.attempt,
@@ -449,6 +462,7 @@ class Coordinator:
     def finalize(self, server_round: int, aggregate: Aggregator) -> ModelState:
         """The strategy's next global model from `aggregate`, once the previous
         checkpoint (which still reads the strategy's state) is on disk."""
+        fault_point("finalize", server_round)
         self.checkpoints.wait()
         return self.strategy.finalize_round(server_round, self.global_model.state, aggregate)
 
@@ -457,11 +471,15 @@ class Coordinator:
         model = GlobalModel(server_round, new_model_version(), state)
         self.global_model = model
         self._bind_eval_model(state)
+        fault_point("published", server_round)
         return model
 
-    def checkpoint(self, model: GlobalModel) -> None:
+    def checkpoint(
+        self, model: GlobalModel, record: dict[str, Any], round_audit: dict[str, Any]
+    ) -> None:
         """Start writing the atomic checkpoint `--resume` continues from (in the
-        background: `checkpoints.wait()` before the strategy's state changes again)."""
+        background: `checkpoints.wait()` before the strategy's state changes again),
+        with the round's metrics record and audit summary (`settle_run_record`)."""
         self.checkpoints.submit(
             model.round,
             model.state,
@@ -471,6 +489,8 @@ class Coordinator:
                 "run_id": self.run_id,
                 "fingerprint": self.fingerprint,
                 "model_version": model.version,
+                "record": record,
+                "round_audit": round_audit,
                 **(
                     {"dp_sampling_rates": list(self.dp_accountant.sampling_rates)}
                     if self.dp_accountant is not None
@@ -498,17 +518,27 @@ class Coordinator:
     def record_round(
         self, record: dict[str, Any], started: float, model: GlobalModel, **audit: Any
     ) -> None:
-        """Evaluate (when due), then write the metrics line and the audit record of the
-        round that made `model`, and tell `on_round`."""
+        """Evaluate (when due), start the checkpoint of `model` carrying the round's
+        record, then write the metrics line and the audit record, and tell `on_round`.
+
+        In this order a crash at any point leaves each round exactly once in
+        metrics.jsonl after `--resume` (see `checkpoints.py`)."""
+        server_round = record["round"]
         self.evaluate_into(record)
         record["seconds"] = time.perf_counter() - started
+        record, audit = _plain(record), _plain(audit)  # as the line and the resume see them
+        fault_point("evaluated", server_round)
+        self.checkpoint(model, record, audit)
+        fault_point("checkpoint_submitted", server_round)
         self.run_dir.log_metrics(record)
+        fault_point("metrics_logged", server_round)
         self.last_metrics = record
         self.audit.record(
-            "round_completed", round=record["round"], model_version=model.version, **audit
+            "round_completed", round=server_round, model_version=model.version, **audit
         )
         if self.on_round is not None:
             self.on_round(record)
+        fault_point("round_recorded", server_round)
 
     def _retry(self, summary: RoundSummary) -> None:
         needed = self._needed(len(summary.selected))

@@ -10,7 +10,8 @@ SecAgg+ protocol (`fedtrain.secagg.SecAggServer`, a pure state machine) on top:
 * stage replies arrive on the sites' control-stream threads (`receive`), chunks of
   masked vectors on their upload threads (`fold_masked`), folded into the protocol's
   modular sum at once;
-* `wait()`, on the coordinator's thread, closes each of the four stages when every
+* `wait()`, on the coordinator's thread, closes each stage (four, five with the
+  consistency check) when every
   site still expected has replied or is gone (its control stream broke, it reported
   an error), or at the stage's deadline; whoever is missing then is a dropout at that
   stage, which the protocol absorbs. Then it unmasks the sum and hands it to the
@@ -22,10 +23,16 @@ on the round's condition, with the stage's deadline as its bound.
 
 Sites are secure-aggregation ids 1..n: their index in the sorted list of the round's
 participants, plus one (deterministic, and nothing else about a site is revealed).
+
+With TLS (a `verifier`), each id's advertised keys must carry a credential of the site
+the server gave that id (`fedtrain.runtime.secagg_identity`), and the round runs the
+consistency check when `secagg.consistency_check` asks for it; without TLS the sites
+have nothing to sign with, and the check is off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -39,10 +46,12 @@ from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, UploadRefused
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.sessions import Session
 from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.secagg import (
     AdvertiseKeys,
+    ConsistencySignature,
     MaskedInput,
     SecAggResult,
     SecAggServer,
@@ -70,6 +79,8 @@ class SecureRoundState(RoundState):
     #: The fewest included sites whose sum may be unmasked: the strategy's minimum for
     #: the round, decided before any share is revealed (see `wait`).
     min_included: int = field(kw_only=True)
+    #: Checks the sites' credentials (None without TLS: no identities, no consistency check).
+    verifier: CertificateVerifier | None = field(kw_only=True, repr=False, default=None)
     #: The unmasked sum, once the protocol finished. Once set, the attempt is spent:
     #: the coordinator must end the round with it, never retry it.
     result: SecAggResult | None = field(init=False, default=None)
@@ -89,13 +100,20 @@ class SecureRoundState(RoundState):
             )
         self.ids = {name: i + 1 for i, name in enumerate(sorted(self.plan))}
         self._names = {i: name for name, i in self.ids.items()}
+        protocol = self.settings.protocol()
+        verifier = None
+        if self.verifier is not None:
+            verifier = self.verifier.expecting(self._names)
+        elif protocol.consistency_check:
+            protocol = dataclasses.replace(protocol, consistency_check=False)
         try:
             self._server = SecAggServer.from_config(
-                self.settings.protocol(),
+                protocol,
                 secagg_round_id(self.round, self.attempt),
                 self.ids.values(),
                 self.layout.length,
                 min_included=self.min_included,
+                verifier=verifier,
             )
         except SecAggError as exc:
             raise SecAggError(
@@ -104,13 +122,15 @@ class SecureRoundState(RoundState):
             ) from None
         params = self._server.params
         log.info(
-            "round %d (attempt %d): secure aggregation over %d sites, k=%d, t=%d, %d values",
+            "round %d (attempt %d): secure aggregation over %d sites, k=%d, t=%d, %d values, "
+            "consistency check %s",
             self.round,
             self.attempt,
             len(params.sites),
             params.k,
             params.t,
             params.vector_length,
+            "on" if params.consistency_check else "off",
         )
 
     def _where(self, site: str) -> str:
@@ -157,7 +177,7 @@ class SecureRoundState(RoundState):
                 ) from None
             if isinstance(msg, MaskedInput):
                 raise ProtocolError(f"{where}: masked inputs go up the upload stream")
-            if not isinstance(msg, AdvertiseKeys | ShareKeys | UnmaskShares):
+            if not isinstance(msg, AdvertiseKeys | ShareKeys | ConsistencySignature | UnmaskShares):
                 raise ProtocolError(f"{where}: a site cannot send {type(msg).__name__}")
             if msg.site != self.ids[session.site]:
                 raise ProtocolError(
@@ -230,8 +250,11 @@ class SecureRoundState(RoundState):
         attempt is the round's (an audit record `secagg_unmasked` names the sites).
         """
         with self._cond:
+            stages = [Stage.SETUP, Stage.SHARE_KEYS, Stage.MASKED_INPUT]
+            if self._server.params.consistency_check:
+                stages.append(Stage.CONSISTENCY)
             try:
-                for stage in (Stage.SETUP, Stage.SHARE_KEYS, Stage.MASKED_INPUT):
+                for stage in stages:
                     if not self._await(stage, stopped):
                         return
                     self._send(self._server.advance())
@@ -266,7 +289,10 @@ class SecureRoundState(RoundState):
             if s.masked_input_timeout_s:
                 return min(now + s.masked_input_timeout_s, self.deadline)
             return self.deadline
-        # Unmasking is short and comes after the updates are in: it may outlast the round.
+        # Signing and unmasking are short and come after the updates are in: they may
+        # outlast the round.
+        if stage is Stage.CONSISTENCY:
+            return now + s.consistency_timeout_s
         return now + s.unmask_timeout_s
 
     def _await(self, stage: Stage, stopped: Callable[[], bool]) -> bool:

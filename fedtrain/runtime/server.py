@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import threading
 from concurrent import futures
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +28,8 @@ from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.peer_auth import PeerVerifier
+from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.status import server_state
@@ -63,14 +64,27 @@ class AggregationServer:
     ) -> None:
         self.config = config
         self.insecure = insecure
+        self._verifier: PeerVerifier | None = None
+        secagg_verifier = None
         if not insecure:
-            self._credentials = tls.server_credentials(*_server_tls_paths(config))
+            ca, cert, key = config.tls.require("server.toml")
+            info, self._credentials = tls.server_credentials(
+                cert, key, ca, require_client_auth=config.tls.verify_sites_in_handshake
+            )
+            self._verifier = PeerVerifier(ca, (*info.dns_names, *info.ip_addresses))
             if not config.allowed_sites:
                 raise ConfigError(
                     "allowed_sites is empty: with TLS the server admits only the sites named "
                     "there (a certificate from the federation CA alone is not enough); list "
                     "them in server.toml"
                 )
+            secagg_verifier = CertificateVerifier.from_file(ca)
+        elif config.secagg.enabled and config.secagg.consistency_check:
+            log.warning(
+                "secure aggregation without TLS (--insecure): sites have no certificates to "
+                "sign with, so the consistency check (secagg.consistency_check) is off and a "
+                "server that lied about dropouts could unmask a site's update"
+            )
         self.task = task or load_task(config.task, config.task_options)
         self.run_dir = RunDir(config.run_dir)
         if not resume:
@@ -97,13 +111,14 @@ class AggregationServer:
             self.audit,
             resume=resume,
             on_round=self._observe_round,
+            secagg_verifier=secagg_verifier,
         )
         self.servicer = FedtrainServicer(
             config,
             self.coordinator,
             self.registry,
             self.audit,
-            secure=not insecure,
+            verifier=self._verifier,
             spool_dir=self.spool_dir,
         )
         self._grpc: grpc.Server | None = None
@@ -160,7 +175,7 @@ class AggregationServer:
             "serving run %s on port %d (%s), rounds %d..%d, run dir %s",
             self.coordinator.run_id,
             port,
-            "insecure" if self.insecure else "mutual TLS",
+            _transport(self.insecure, self.config.tls.verify_sites_in_handshake),
             self.coordinator.global_model.round + 1,
             self.config.rounds,
             self.run_dir.path,
@@ -168,9 +183,11 @@ class AggregationServer:
         return port
 
     def _watch_heartbeats(self) -> None:
-        """Disconnect sites that went silent (a crashed host may never close its TCP stream)."""
+        """Disconnect sites that went silent (a crashed host may never close its TCP
+        stream); also write the counts of repeated refusals whose window has passed."""
         hb = self.config.heartbeat
         while not self._stopping.wait(hb.interval_s):
+            self.audit.flush_refusals()
             for session in self.registry.silent_for(hb.timeout_s):
                 log.warning(
                     "site %r sent nothing for %.0fs (heartbeat.timeout_s); disconnecting it",
@@ -227,6 +244,8 @@ class AggregationServer:
         self.stop()
 
 
-def _server_tls_paths(config: ServerConfig) -> tuple[Path, Path, Path]:
-    ca, cert, key = config.tls.require("server.toml")
-    return cert, key, ca
+def _transport(insecure: bool, handshake: bool) -> str:
+    if insecure:
+        return "insecure"
+    both = "mutual TLS" if handshake else "TLS"
+    return f"{both}, sites prove their certificates at join"

@@ -1,9 +1,11 @@
 """The gRPC face of the aggregation server: admission, control streams, bulk transfers.
 
-Every request from a site is untrusted. Admission checks the site's identity (its
-certificate under mutual TLS), the allow-list, the protocol version and the task
-fingerprint. Bulk RPCs must carry the token of a live control session belonging to
-the same certificate. Uploads are validated, journaled and folded chunk by chunk (see
+Every request from a site is untrusted. Admission checks the protocol version, the
+site's identity (with TLS, its certificate and its proof of holding the key:
+`peer_auth`), the allow-list and the task fingerprint; every refusal is audited with
+the peer's address and a one-word cause (`AuditLog.refusal`, throttled). Bulk RPCs
+must carry the token of a live control session and, with TLS, arrive on that
+session's connection. Uploads are validated, journaled and folded chunk by chunk (see
 `upload.py`); whatever is wrong becomes a gRPC status naming site, round and tensor,
 an audit record and a log line, and never an exception that escapes a handler.
 """
@@ -13,18 +15,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
+from fedtrain.runtime.admission import AdmissionGate, Refusal
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.encoded_upload import DecodingSpool
+from fedtrain.runtime.peer_auth import (
+    PeerCertificate,
+    PeerRefused,
+    PeerVerifier,
+    Purpose,
+    new_nonce,
+)
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
@@ -34,6 +44,10 @@ from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
+
+_Message = TypeVar("_Message")
+_Reply = TypeVar("_Reply")
+_NO_ANSWER = Refusal("no_answer", "the peer closed the stream before it said who it is")
 
 
 class FedtrainServicer(pb_grpc.FedtrainServicer):
@@ -46,49 +60,55 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         registry: SessionRegistry,
         audit: AuditLog,
         *,
-        secure: bool,
+        verifier: PeerVerifier | None,
         spool_dir: Path,
     ) -> None:
         self.config = config
         self.coordinator = coordinator
         self.registry = registry
         self.audit = audit
-        self.secure = secure
+        #: Checks a peer's certificate and proof; None: no TLS (--insecure).
+        self.verifier = verifier
+        self.secure = verifier is not None
         self.spool_dir = spool_dir
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         # Each site holds a worker thread for its control stream; keep room for transfers.
         self.max_sites = max(1, config.max_workers // 2 - 1)
+        # ...and for peers that have not answered their challenge yet, only a few.
+        self.gate = AdmissionGate(max(4, config.max_workers // 4))
 
     # -- Control ----------------------------------------------------------------------------
     def Control(
         self, request_iterator: Iterator[pb.SiteMessage], context: grpc.ServicerContext
     ) -> Iterator[pb.ServerMessage]:
-        try:
-            first = next(request_iterator)
-        except (StopIteration, grpc.RpcError):
+        peer = context.peer()
+        first, nonce, refusal = yield from self._opening(
+            request_iterator, context, lambda c: pb.ServerMessage(challenge=c)
+        )
+        if refusal is None and first.WhichOneof("kind") != "join":
+            refusal = Refusal("no_join", "the first message on the control stream must be a Join")
+        admitted = refusal or self._admit(first.join, nonce)
+        if isinstance(admitted, Refusal):
+            self._refuse_peer("join_refused", peer, admitted)
+            yield _reject(admitted.reason)
             return
-        if first.WhichOneof("kind") != "join":
-            yield _reject("the first message on the control stream must be a Join")
-            return
-        site, reason = self._admit(first.join, context)
-        if reason is not None:
-            log.warning("refused %s (%s): %s", site or "a peer", context.peer(), reason)
-            self.audit.record("join_refused", site=site, peer=context.peer(), reason=reason)
-            yield _reject(reason)
-            return
+        site, certificate = admitted
         if self.coordinator.finished.is_set():
             yield pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE))
             return
-        session, replaced = self.registry.add(site, context.peer())
+        session, replaced = self.registry.add(
+            site, peer, certificate=certificate.pem if certificate else b""
+        )
         if replaced is not None:
             self.registry.remove(replaced, "replaced by a new connection from the same site")
         if not context.add_callback(lambda: self._end(session, "control stream closed")):
             self._end(session, "control stream closed while joining")
             return
-        log.info("site %r joined from %s", site, context.peer())
+        log.info("site %r joined from %s", site, peer)
+        identity = certificate.audit_fields() if certificate else {}
         self.audit.record(
-            "join", site=site, peer=context.peer(), fingerprint=first.join.task_fingerprint
+            "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
         )
         welcome = pb.Welcome(
             run_id=self.coordinator.run_id,
@@ -110,55 +130,133 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 return
             yield message
 
-    def _admit(self, join: pb.Join, context: grpc.ServicerContext) -> tuple[str | None, str | None]:
-        """(site name, None) if the site may join, else (name if known, reason)."""
+    def _admit(self, join: pb.Join, nonce: bytes) -> tuple[str, PeerCertificate | None] | Refusal:
+        """(site name, its verified certificate) if the site may join, else the refusal."""
         if join.protocol_version != wire.PROTOCOL_VERSION:
-            return join.site_name or None, (
+            return Refusal(
+                "protocol_version",
                 f"protocol version {join.protocol_version} is not supported (server speaks "
-                f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server"
+                f"{wire.PROTOCOL_VERSION}); install the same fedtrain version at site and server",
+                site=join.site_name or None,
             )
-        if self.secure:
-            site = tls.peer_site_name(context)
-            if site is None:
-                return (
-                    None,
-                    "no valid site certificate was presented (need clientAuth, CN = site name)",
-                )
+        certificate = None
+        if self.verifier is not None:
+            certificate = self._check_proof(join, "join", nonce)
+            if isinstance(certificate, Refusal):
+                return certificate
+            site = certificate.name
             if join.site_name and join.site_name != site:
-                return site, (
-                    f"the Join names site {join.site_name!r} but the certificate is for {site!r}; "
-                    "fix `name` in site.toml or leave it empty"
+                return Refusal(
+                    "site_name_mismatch",
+                    f"the Join names site {join.site_name!r} but the certificate is for "
+                    f"{site!r}; fix `name` in site.toml or leave it empty",
+                    site=site,
+                    details=certificate.audit_fields(),
                 )
         else:
             try:
                 site = tls.validate_site_name(join.site_name)
             except ConfigError as exc:
-                return join.site_name or None, f"without TLS the Join must carry a site name: {exc}"
+                return Refusal(
+                    "bad_site_name",
+                    f"without TLS the Join must carry a site name: {exc}",
+                    site=join.site_name or None,
+                )
+        details = certificate.audit_fields() if certificate else {}
+        reason = self._join_rules(site, join)
+        if reason is not None:
+            return Refusal(reason[0], reason[1], site=site, details=details)
+        return site, certificate
+
+    def _join_rules(self, site: str, join: pb.Join) -> tuple[str, str] | None:
+        """(cause, reason) if the identified `site` may not join now, else None."""
         allowed = self.config.allowed_sites
         if allowed and site not in allowed:
-            return site, (
+            return "not_allowed", (
                 f"site {site!r} is not on this server's allowed_sites ({', '.join(allowed)}); "
                 "the server operator must add it to server.toml"
             )
         if join.task_fingerprint != self.coordinator.fingerprint:
-            return site, (
+            return "task_fingerprint", (
                 f"task fingerprint mismatch: site {site!r} runs fingerprint "
                 f"{join.task_fingerprint or '(none)'}, the server runs "
                 f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
                 "same task code and version at the site"
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
-            return site, (
+            return "secagg_unsupported", (
                 f"site {site!r} does not speak the secure aggregation this server runs "
                 f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
                 "fedtrain version; install the same fedtrain version as the server at the site"
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return site, (
+            return "capacity", (
                 f"the server is at capacity ({self.max_sites} sites); the operator must "
                 "raise max_workers in server.toml"
             )
-        return site, None
+        return None
+
+    def _opening(
+        self,
+        requests: Iterator[_Message],
+        context: grpc.ServicerContext,
+        challenge: Callable[[pb.Challenge], _Reply],
+    ) -> Generator[_Reply, None, tuple[_Message, bytes, None] | tuple[None, bytes, Refusal]]:
+        """Challenge the peer (with TLS) and read its first message, holding a slot of
+        the admission gate meanwhile: (first message, nonce, None) or (None, _, why not)."""
+        if self.verifier is None:
+            first = _first(requests)
+            return (first, b"", None) if first is not None else (None, b"", _NO_ANSWER)
+        with self.gate.pending(context.peer(), context.cancel) as slot:
+            if not slot.granted:
+                return None, b"", self._busy()
+            nonce = new_nonce()
+            yield challenge(pb.Challenge(nonce=nonce))
+            first = _first(requests)
+        if first is not None:
+            return first, nonce, None
+        if slot.expired:
+            timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
+            return None, nonce, Refusal("timeout", timeout)
+        return None, nonce, _NO_ANSWER
+
+    def _check_proof(
+        self, message: pb.Join | pb.StatusRequest, purpose: Purpose, nonce: bytes
+    ) -> PeerCertificate | Refusal:
+        """The certificate whose key answered this stream's challenge, or why not."""
+        assert self.verifier is not None
+        proof = message.proof if message.HasField("proof") else None
+        try:
+            return self.verifier.verify(proof, purpose=purpose, nonce=nonce)
+        except PeerRefused as exc:
+            return Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
+
+    def _busy(self) -> Refusal:
+        return Refusal(
+            "busy",
+            "the server is busy admitting other peers (at most "
+            f"{self.gate.max_pending} at a time, {self.gate.per_address} per address); the "
+            "site retries on its own (if this persists, someone may be flooding the server: "
+            "the operator sees it in audit.jsonl)",
+        )
+
+    def _refuse_peer(self, event: str, peer: str, refusal: Refusal) -> None:
+        """Audit (throttled) and log a refused peer; the caller tells the peer."""
+        if self.audit.refusal(
+            event,
+            peer=peer,
+            cause=refusal.cause,
+            site=refusal.site,
+            reason=refusal.reason,
+            **refusal.details,
+        ):
+            log.warning(
+                "refused %s (%s, %s): %s",
+                refusal.site or "a peer",
+                peer,
+                refusal.cause,
+                refusal.reason,
+            )
 
     def _read(self, session: Session, request_iterator: Iterator[pb.SiteMessage]) -> None:
         """Consume a site's control messages (its own thread: the handler is busy sending)."""
@@ -210,28 +308,56 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
 
     # -- bulk transfers ----------------------------------------------------------------------
     def _session(self, token: str, context: grpc.ServicerContext, what: str) -> Session:
+        """The live session a bulk request belongs to: its token names it and, with TLS,
+        the request travels on the connection that session authenticated."""
         session = self.registry.by_token(token)
         if session is None:
             self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
+                "unknown_session",
                 f"{what} from {context.peer()}: unknown session token (the session ended or "
                 "the server restarted); the site must rejoin on its control stream first",
             )
-        if self.secure and tls.peer_site_name(context) != session.site:
+        if self.secure and session.peer != context.peer():
             self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{what}: the session belongs to site {session.site!r}, not to this "
-                f"certificate ({tls.peer_site_name(context)!r})",
+                "other_connection",
+                f"{what}: the session of site {session.site!r} was authenticated on another "
+                "connection; bulk requests must travel on the channel of the control stream",
+                site=session.site,
             )
         session.touch()
         return session
 
-    def _deny(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    def _require_session_connection(self, context: grpc.ServicerContext, what: str) -> None:
+        """With TLS, refuse a stream before reading from it unless its connection holds a
+        session: an unauthenticated peer must not hold a worker thread here."""
+        if self.secure and self.registry.by_peer(context.peer()) is None:
+            self._deny(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "no_session",
+                f"{what} from {context.peer()}: this connection has not joined (a site must "
+                "prove its identity on its control stream first, then use the same channel)",
+            )
+
+    def _deny(
+        self,
+        context: grpc.ServicerContext,
+        code: grpc.StatusCode,
+        cause: str,
+        message: str,
+        *,
+        site: str | None = None,
+    ) -> NoReturn:
         """Refuse a bulk request that belongs to no (valid) session: log, audit, abort."""
-        log.warning("refused: %s", message)
-        self.audit.record("request_refused", peer=context.peer(), code=code.name, reason=message)
+        peer = context.peer()
+        if self.audit.refusal(
+            "request_refused", peer=peer, cause=cause, code=code.name, site=site, reason=message
+        ):
+            log.warning("refused: %s", message)
         _abort(context, code, message)
 
     def DownloadModel(
@@ -256,15 +382,21 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
     def UploadUpdate(
         self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
     ) -> pb.UploadReceipt:
+        self._require_session_connection(context, "upload")
         try:
             first = next(request_iterator)
         except StopIteration:
-            self._deny(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload: no header")
+            self._deny(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "no_header", "empty upload: no header"
+            )
         except grpc.RpcError:
             return pb.UploadReceipt()  # the site cancelled before sending anything
         if isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
             self._deny(
-                context, grpc.StatusCode.INVALID_ARGUMENT, "an upload must start with its header"
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "no_header",
+                "an upload must start with its header",
             )
         header = first.header
         session = self._session(header.session_token, context, f"upload for round {header.round}")
@@ -436,8 +568,31 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         _abort(context, code, message)
 
     # -- Status ------------------------------------------------------------------------------
-    def Status(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatusReply:
-        return status.to_proto(status.server_state(self.coordinator, self.registry))
+    def Status(
+        self, request_iterator: Iterator[pb.StatusRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StatusMessage]:
+        """The run's state, for any certificate the federation CA issued (an operator
+        need not be on the allow-list: it can ask, never join)."""
+        peer = context.peer()
+        first, nonce, refusal = yield from self._opening(
+            request_iterator, context, lambda c: pb.StatusMessage(challenge=c)
+        )
+        if refusal is None and self.verifier is not None:
+            checked = self._check_proof(first, "status", nonce)
+            refusal = checked if isinstance(checked, Refusal) else None
+        if refusal is not None:
+            self._refuse_peer("status_refused", peer, refusal)
+            _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
+        state = status.server_state(self.coordinator, self.registry)
+        yield pb.StatusMessage(reply=status.to_proto(state))
+
+
+def _first(requests: Iterator[_Message]) -> _Message | None:
+    """The first message of a request stream; None if the peer ended or cancelled it."""
+    try:
+        return next(requests)
+    except (StopIteration, grpc.RpcError):
+        return None
 
 
 def _reject(reason: str) -> pb.ServerMessage:
@@ -467,10 +622,10 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
             request_deserializer=wire.chunk_stream_deserializer(pb.UpdateChunk),
             response_serializer=pb.UploadReceipt.SerializeToString,
         ),
-        "Status": grpc.unary_unary_rpc_method_handler(
+        "Status": grpc.stream_stream_rpc_method_handler(
             servicer.Status,
-            request_deserializer=pb.Empty.FromString,
-            response_serializer=pb.StatusReply.SerializeToString,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusMessage.SerializeToString,
         ),
     }
     return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)

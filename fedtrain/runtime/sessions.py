@@ -46,6 +46,8 @@ class Session:
     last_seen: float = field(default_factory=time.monotonic)
     outbox: queue.SimpleQueue[pb.ServerMessage | None] = field(default_factory=queue.SimpleQueue)
     closed: bool = False
+    #: With TLS: the site's certificate (PEM) whose key proved this session at join.
+    certificate: bytes = b""
 
     def send(self, message: pb.ServerMessage) -> None:
         """Queue a message for the site; its control stream sends it at once."""
@@ -95,13 +97,15 @@ class SessionRegistry:
         """Call `listener(session)` after each new session is registered (outside the lock)."""
         self._join_listeners.append(listener)
 
-    def add(self, site: str, peer: str) -> tuple[Session, Session | None]:
+    def add(
+        self, site: str, peer: str, *, certificate: bytes = b""
+    ) -> tuple[Session, Session | None]:
         """Register a new session for `site`; returns it and the session it replaced.
 
         A site that reconnects before its old stream was noticed dead replaces it; the
         caller must `remove` the replaced one (which ends its stream).
         """
-        session = Session(site=site, peer=peer)
+        session = Session(site=site, peer=peer, certificate=certificate)
         with self._lock:
             old = self._by_site.get(site)
             self._by_site[site] = session
@@ -129,6 +133,11 @@ class SessionRegistry:
     def by_token(self, token: str) -> Session | None:
         with self._lock:
             return self._by_token.get(token)
+
+    def by_peer(self, peer: str) -> Session | None:
+        """The live session whose control stream came over the connection `peer`."""
+        with self._lock:
+            return next((s for s in self._by_site.values() if s.peer == peer), None)
 
     def get(self, site: str) -> Session | None:
         with self._lock:

@@ -43,8 +43,9 @@ from fedtrain.errors import (
     WorkerGroupError,
 )
 from fedtrain.parallel import TorchrunGroup
-from fedtrain.runtime import rpc, tls, wire
+from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site_data import site_dataset
 from fedtrain.runtime.site_parallel import train_timeout_s, worker_group
@@ -128,13 +129,22 @@ class SiteDaemon:
     ) -> None:
         self.config = config
         self.insecure = insecure
-        self._credentials: grpc.ChannelCredentials | None = None
+        #: With TLS: the certificate and key that answer the server's challenge at join.
+        self._identity: ClientIdentity | None = None
         self.name = site_name(config, insecure=insecure)
+        #: This site's secure-aggregation rounds; with TLS, its keys are bound to its
+        #: certificate (`fedtrain.runtime.secagg_identity`).
+        self.secagg = SiteSecAgg()
         if insecure:
             log.warning("connecting WITHOUT TLS (--insecure): use this only for local tests")
         else:
             ca, cert, key = config.tls.require("site.toml")
-            self._credentials = tls.channel_credentials(cert, key, ca)
+            self._identity = client_identity(cert, key, ca)
+            self.secagg = SiteSecAgg(
+                identity=secagg_identity.load_identity(cert, key),
+                verifier=secagg_identity.CertificateVerifier.from_file(ca),
+                require_consistency_check=config.require_consistency_check,
+            )
         self.task = task or load_task(config.task, config.task_options)
         self.fingerprint = task_fingerprint(self.task)
         #: DDP workers that train every round, kept across rounds and reconnects (started
@@ -171,7 +181,6 @@ class SiteDaemon:
         self._call: grpc.Call | None = None
         self._job: tuple[Link, pb.Instruction] | None = None
         self._job_ready = threading.Condition()
-        self.secagg = SiteSecAgg()  # this site's secure-aggregation rounds
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
 
@@ -251,29 +260,33 @@ class SiteDaemon:
     # -- the control stream ------------------------------------------------------------------
     def _channel(self) -> grpc.Channel:
         options = wire.channel_options(self.config.max_message_bytes)
-        if self._credentials is None:
+        if self._identity is None:
             return grpc.insecure_channel(self.config.server, options=options)
         if self.config.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
-        return grpc.secure_channel(self.config.server, self._credentials, options=options)
+        return grpc.secure_channel(self.config.server, self._identity.credentials, options=options)
 
-    def _join_message(self) -> pb.SiteMessage:
+    def _join_message(self, challenge: pb.Challenge | None = None) -> pb.SiteMessage:
+        """The Join; with TLS it answers the server's challenge with this site's proof."""
         cached = self._cache[0] if self._cache is not None else ""
-        return pb.SiteMessage(
-            join=pb.Join(
-                site_name=self.name if (self.insecure or self.config.name) else "",
-                task_fingerprint=self.fingerprint,
-                protocol_version=wire.PROTOCOL_VERSION,
-                capabilities=CAPABILITIES,
-                cached_model_version=cached,
-            )
+        join = pb.Join(
+            site_name=self.name if (self.insecure or self.config.name) else "",
+            task_fingerprint=self.fingerprint,
+            protocol_version=wire.PROTOCOL_VERSION,
+            capabilities=CAPABILITIES,
+            cached_model_version=cached,
         )
+        if challenge is not None and self._identity is not None:
+            server_name = self.config.tls.server_name or dialled_host(self.config.server)
+            join.proof.CopyFrom(self._identity.proof("join", challenge.nonce, server_name))
+        return pb.SiteMessage(join=join)
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
         channel = self._channel()
         outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
-        outbox.put(self._join_message())
+        if self._identity is None:
+            outbox.put(self._join_message())  # with TLS: once the server's challenge is in
         control = channel.stream_stream(
             wire.method_path("Control"),
             request_serializer=pb.SiteMessage.SerializeToString,
@@ -288,7 +301,11 @@ class SiteDaemon:
         try:
             for message in call:
                 kind = message.WhichOneof("kind")
-                if kind == "welcome":
+                if kind == "challenge":
+                    if self._identity is None or link is not None:
+                        raise ProtocolError("the server sent an unexpected challenge")
+                    outbox.put(self._join_message(message.challenge))
+                elif kind == "welcome":
                     link = self._welcome(channel, outbox, message.welcome)
                     backoff.reset()
                 elif kind == "instruction":

@@ -6,8 +6,14 @@ agreement (stages 0 and 1: two fresh key pairs, Shamir shares for ``k`` neighbou
 cheap) is answered on the control-stream thread while the trainer thread downloads
 and trains. The masked input (stage 2) needs both the trained update and the
 neighbours' shares (`RoutedShares`); the trainer waits for the shares on a condition,
-bounded by the round's deadline, then masks and uploads. The unmask request (stage 3)
-is answered on the control-stream thread again.
+bounded by the round's deadline, then masks and uploads. The survivor set to sign
+(stage 3, the consistency check) and the unmask request (stage 4) are answered on the
+control-stream thread again.
+
+With TLS the site has an identity (`fedtrain.runtime.secagg_identity`: a signing key
+endorsed by its certificate): it signs its keys and the survivor set, checks its
+neighbours' signatures, and by default (`require_consistency_check`) takes part only
+in rounds that run the consistency check.
 
 Each secure instruction gets its own round here (`expect`, called in the order the
 control stream delivers messages), so a retried attempt of the same round supersedes
@@ -42,12 +48,15 @@ from fedtrain.privacy.distributed import SITE_WEIGHT, DistributedDP
 from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.secagg import (
+    ConsistencyRequest,
+    Identity,
     KeysBroadcast,
     RoundParams,
     RoutedShares,
     SecAggClient,
     SetupRequest,
     UnmaskRequest,
+    Verifier,
     decode_message,
 )
 from fedtrain.secagg.updates import UpdateLayout
@@ -87,7 +96,16 @@ class _Round:
 class SiteSecAgg:
     """The site's secure-aggregation rounds, fed by the control-stream and trainer threads."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        identity: Identity | None = None,
+        verifier: Verifier | None = None,
+        require_consistency_check: bool = False,
+    ) -> None:
+        self._identity = identity
+        self._verifier = verifier
+        self._require_check = require_consistency_check
         self._cond = threading.Condition()
         self._round: _Round | None = None
 
@@ -114,7 +132,14 @@ class SiteSecAgg:
                     rng = np.random.default_rng(secrets.randbits(128))
                     current.dp = DistributedDP.from_params(msg.params)
                     noise = current.dp.add_noise if current.dp is not None else None
-                    current.client = SecAggClient(msg.site, rng=rng, noise=noise)
+                    current.client = SecAggClient(
+                        msg.site,
+                        rng=rng,
+                        noise=noise,
+                        identity=self._identity,
+                        verifier=self._verifier,
+                        require_consistency_check=self._require_check,
+                    )
                     current.params = msg.params
                 elif current.client is None:
                     raise SecAggError(f"round {server_round}: {type(msg).__name__} before setup")
@@ -122,7 +147,8 @@ class SiteSecAgg:
                     current.routed = msg  # the trainer masks once the update is ready
                     self._cond.notify_all()
                     return
-                if not isinstance(msg, SetupRequest | KeysBroadcast | UnmaskRequest):
+                answered = SetupRequest | KeysBroadcast | ConsistencyRequest | UnmaskRequest
+                if not isinstance(msg, answered):
                     raise SecAggError(f"round {server_round}: unexpected {type(msg).__name__}")
                 reply = current.client.handle(msg)
         except SecAggError as exc:

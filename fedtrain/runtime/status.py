@@ -9,6 +9,7 @@ The client side (`fetch_status`) is what `fedtrain status` calls.
 
 from __future__ import annotations
 
+import queue
 import time
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ import grpc
 from fedtrain.errors import FedtrainError
 from fedtrain.observability.status import ServerState, SiteState
 from fedtrain.runtime import rpc
+from fedtrain.runtime.peer_auth import ClientIdentity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 
 if TYPE_CHECKING:
@@ -121,36 +123,52 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
 
 def fetch_status(
     address: str,
-    credentials: grpc.ChannelCredentials | None,
+    identity: ClientIdentity | None,
     *,
     server_name: str = "",
     timeout_s: float = 10.0,
 ) -> ServerState:
-    """Ask the server at `address` for its state; `credentials=None`: no TLS."""
+    """Ask the server at `address` for its state; `identity=None`: no TLS. With TLS the
+    server challenges first and `identity` answers (`peer_auth`)."""
     options: list[tuple[str, str]] = []
-    if credentials is None:
+    if identity is None:
         channel = grpc.insecure_channel(address, options=options)
     else:
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
-        channel = grpc.secure_channel(address, credentials, options=options)
+        channel = grpc.secure_channel(address, identity.credentials, options=options)
+    requests: queue.SimpleQueue[pb.StatusRequest | None] = queue.SimpleQueue()
+    if identity is None:
+        requests.put(pb.StatusRequest())
     with channel:
-        status = channel.unary_unary(
+        status = channel.stream_stream(
             rpc.method_path("Status"),
-            request_serializer=pb.Empty.SerializeToString,
-            response_deserializer=pb.StatusReply.FromString,
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusMessage.FromString,
         )
+        call = status(iter(requests.get, None), timeout=timeout_s, wait_for_ready=False)
         try:
-            reply = status(pb.Empty(), timeout=timeout_s, wait_for_ready=False)
+            for message in call:
+                if message.WhichOneof("kind") == "reply":
+                    return from_proto(message.reply)
+                if message.WhichOneof("kind") == "challenge" and identity is not None:
+                    name = server_name or dialled_host(address)
+                    proof = identity.proof("status", message.challenge.nonce, name)
+                    requests.put(pb.StatusRequest(proof=proof))
         except grpc.RpcError as exc:
-            message = _unreachable(address, exc, tls=credentials is not None)
+            message = _unreachable(address, exc, tls=identity is not None)
             raise ServerUnreachable(message) from None
-    return from_proto(reply)
+        finally:
+            requests.put(None)
+            call.cancel()
+    raise ServerUnreachable(f"the server at {address} ended the Status call without an answer")
 
 
 def _unreachable(address: str, exc: grpc.RpcError, *, tls: bool) -> str:
     """The error and what to check: the likely cause when the error names it, else the list."""
     what = rpc.describe_rpc_error(exc)
+    if isinstance(exc, grpc.Call) and exc.code() is grpc.StatusCode.PERMISSION_DENIED:
+        return f"the server at {address} refused to answer: {exc.details()}"
     details = what.lower()
     host = address.rsplit(":", 1)[0]
     if "connection refused" in details:

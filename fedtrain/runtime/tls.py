@@ -1,11 +1,12 @@
-"""Federation certificate authority and mutual-TLS credentials for the gRPC runtime.
+"""Federation certificate authority and the TLS credentials of the gRPC runtime.
 
 Trust model: one federation CA (``fedtrain ca init``) signs one server certificate
 (EKU serverAuth, SAN = every DNS name / IP address sites dial) and one certificate per
-site (EKU clientAuth, CN = SAN DNS = site name). The server requires a client
-certificate that chains to that CA, then maps it to a site name with
-:func:`peer_site_name` and checks the allow-list: being signed by the CA alone does not
-admit a site.
+site (EKU clientAuth, CN = SAN DNS = site name). Sites verify the server's certificate
+in the TLS handshake. The server verifies a site's certificate when the site proves it
+holds its key at join (``fedtrain.runtime.peer_auth`` says why there and not in the
+handshake), with :func:`verify_issued`, then checks the allow-list: being signed by the
+CA alone does not admit a site.
 
 Keys are EC P-256 (well supported by gRPC's BoringSSL), stored as unencrypted PKCS#8 PEM
 with mode 0600. The CA key never leaves the CA directory; every issued directory gets
@@ -19,15 +20,14 @@ with a message that says what to do instead of as an opaque handshake failure la
 from __future__ import annotations
 
 import datetime as dt
-import functools
 import ipaddress
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import grpc
 from cryptography import x509
@@ -52,12 +52,14 @@ __all__ = [
     "CertificateInfo",
     "channel_credentials",
     "check_certificate",
+    "checked_site_credentials",
     "init_ca",
     "issue_server",
     "issue_site",
-    "peer_site_name",
     "server_credentials",
+    "site_name_of",
     "validate_site_name",
+    "verify_issued",
 ]
 
 log = logging.getLogger(__name__)
@@ -103,12 +105,6 @@ class CertificateInfo:
     not_valid_after: dt.datetime
     serial_number: int
     fingerprint_sha256: str
-
-
-class _HasAuthContext(Protocol):
-    """The part of a (sync or asyncio) gRPC servicer context that peer_site_name uses."""
-
-    def auth_context(self) -> Mapping[str, Iterable[bytes]]: ...
 
 
 # --------------------------------------------------------------------------- helpers
@@ -279,17 +275,18 @@ def _is_ca(cert: x509.Certificate) -> bool:
         return False
 
 
-def _check_validity(
-    cert: x509.Certificate, path: Path, what: str, now: dt.datetime, hint: str
-) -> None:
+def _check_validity(cert: x509.Certificate, where: str, now: dt.datetime, hint: str) -> None:
     start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
     window = f"valid from {_fmt(start)} to {_fmt(end)}, now {_fmt(now)}"
     if now > end:
-        raise CertificateError(f"{what} {path} expired on {_fmt(end)} ({window}); {hint}")
+        raise CertificateError(
+            f"{where} expired on {_fmt(end)} ({window}); {hint}", cause="expired"
+        )
     if now < start:
         raise CertificateError(
-            f"{what} {path} is not valid until {_fmt(start)} ({window}); check this "
-            f"machine's clock, or {hint}"
+            f"{where} is not valid until {_fmt(start)} ({window}); check this "
+            f"machine's clock, or {hint}",
+            cause="not_yet_valid",
         )
 
 
@@ -298,8 +295,7 @@ def _ca_dir_hint(ca_path: Path) -> str:
     return str(ca_path.parent) if (ca_path.parent / CA_KEY).exists() else _CA_DIR_PLACEHOLDER
 
 
-def _renew_hint(purpose: Purpose, cert: x509.Certificate | None, ca_path: Path) -> str:
-    ca_dir = _ca_dir_hint(ca_path)
+def _renew_hint(purpose: Purpose, cert: x509.Certificate | None, ca_dir: str) -> str:
     if purpose == "site":
         cn = _common_name(cert) if cert is not None else None
         site = cn if cn and SITE_NAME_RE.fullmatch(cn) else "SITE"
@@ -320,8 +316,7 @@ def _check_ca_cert(ca: x509.Certificate, ca_path: Path, now: dt.datetime) -> Non
         )
     _check_validity(
         ca,
-        ca_path,
-        "CA certificate",
+        f"CA certificate {ca_path}",
         now,
         "create a new federation CA with `fedtrain ca init --ca-dir NEW_DIR` and re-issue "
         "the server and every site certificate from it",
@@ -498,8 +493,10 @@ def _issue(
     return cert_path, key_path
 
 
-def _window(days: int) -> tuple[dt.datetime, dt.datetime]:
+def _window(days: int, valid_from: dt.datetime | None = None) -> tuple[dt.datetime, dt.datetime]:
     _check_days(days)
+    if valid_from is not None:
+        return valid_from, valid_from + dt.timedelta(days=days)
     now = _now()
     return now - _CLOCK_SKEW, now + dt.timedelta(days=days)
 
@@ -529,11 +526,17 @@ def issue_server(
 
 
 def issue_site(
-    ca_dir: PathLike, out_dir: PathLike, site_name: str, days: int = 825
+    ca_dir: PathLike,
+    out_dir: PathLike,
+    site_name: str,
+    days: int = 825,
+    *,
+    valid_from: dt.datetime | None = None,
 ) -> tuple[Path, Path]:
-    """Issue ``<site>.crt``/``<site>.key`` (clientAuth, CN = SAN DNS = site name)."""
+    """Issue ``<site>.crt``/``<site>.key`` (clientAuth, CN = SAN DNS = site name), valid
+    for `days` from now (or from `valid_from`: drills with expired certificates)."""
     validate_site_name(site_name)
-    not_before, not_after = _window(days)
+    not_before, not_after = _window(days, valid_from)
     return _issue(
         ca_dir,
         out_dir,
@@ -574,55 +577,17 @@ def check_certificate(
     ca = _load_cert(ca_path, "CA certificate")
     _check_ca_cert(ca, ca_path, now)
     cert = _load_cert(cert_path, what)
-    renew = _renew_hint(purpose, cert, ca_path)
-
-    if cert.issuer != ca.subject:
-        raise CertificateError(
-            f"{what} {cert_path} was issued by '{cert.issuer.rfc4514_string()}', not by the "
-            f"federation CA '{ca.subject.rfc4514_string()}' ({ca_path}); use the ca.crt of "
-            f"the CA that issued it, or {renew}"
-        )
-    try:
-        cert.verify_directly_issued_by(ca)
-    except (InvalidSignature, ValueError, TypeError) as exc:
-        raise CertificateError(
-            f"{what} {cert_path} is not signed by the federation CA {ca_path} (the "
-            "signature does not verify with the CA's key: it comes from a different CA "
-            f"with the same name); use the ca.crt of the CA that issued it, or {renew}"
-        ) from exc
-    if _is_ca(cert):
-        raise CertificateError(f"{cert_path} is a CA certificate, not a {what}; {renew}")
-    _check_validity(cert, cert_path, what, now, renew)
-
-    common_name = _common_name(cert)
-    dns, ips = _san(cert)
-    usages = _eku(cert)
-    if purpose == "server":
-        if ExtendedKeyUsageOID.SERVER_AUTH not in usages:
-            raise CertificateError(
-                f"{cert_path} is not a server certificate (no serverAuth extended key "
-                f"usage); {renew}"
-            )
-        if not dns and not ips:
-            raise CertificateError(
-                f"server certificate {cert_path} names no host (no subjectAltName), so "
-                f"no site can verify it; {renew}"
-            )
-    else:
-        if ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
-            raise CertificateError(
-                f"{cert_path} is not a site certificate (no clientAuth extended key usage); {renew}"
-            )
-        if common_name is None or SITE_NAME_RE.fullmatch(common_name) is None:
-            raise CertificateError(
-                f"site certificate {cert_path} has no valid site name in its common name "
-                f"(CN={common_name!r}); {renew}"
-            )
-        if dns and common_name not in dns:
-            raise CertificateError(
-                f"site certificate {cert_path} has CN={common_name!r} but subjectAltName "
-                f"{list(dns)}; they must name the same site; {renew}"
-            )
+    renew = _renew_hint(purpose, cert, _ca_dir_hint(ca_path))
+    verify_issued(
+        cert,
+        ca,
+        purpose=purpose,
+        where=f"{what} {cert_path}",
+        ca_label=f"'{ca.subject.rfc4514_string()}' ({ca_path})",
+        foreign_fix=f"use the ca.crt of the CA that issued it, or {renew}",
+        renew=renew,
+        now=now,
+    )
 
     if key_path is not None:
         key_path = Path(key_path)
@@ -631,13 +596,15 @@ def check_certificate(
             raise CertificateError(
                 f"{purpose} key {key_path} does not match certificate {cert_path} (they "
                 f"come from different issues); use the .key written together with the "
-                f".crt, or {renew}"
+                f".crt, or {renew}",
+                cause="key_mismatch",
             )
 
+    dns, ips = _san(cert)
     return CertificateInfo(
         path=cert_path,
         purpose=purpose,
-        common_name=common_name,
+        common_name=_common_name(cert),
         dns_names=dns,
         ip_addresses=ips,
         not_valid_before=cert.not_valid_before_utc,
@@ -647,13 +614,94 @@ def check_certificate(
     )
 
 
+def verify_issued(
+    cert: x509.Certificate,
+    ca: x509.Certificate,
+    *,
+    purpose: Purpose,
+    where: str,
+    ca_label: str,
+    foreign_fix: str,
+    renew: str,
+    now: dt.datetime,
+) -> None:
+    """Raise :class:`CertificateError` (with its ``cause``) unless ``cert`` is a
+    ``purpose`` certificate that ``ca`` issued and that is valid at ``now``.
+
+    Shared by the start-up check of this machine's own files (:func:`check_certificate`)
+    and the server's check of the certificate a peer presents (``peer_auth``), so both
+    name a problem the same way. ``where`` names the certificate in the message,
+    ``foreign_fix`` says what to do about one from another CA, ``renew`` about the rest.
+    """
+    if cert.issuer != ca.subject:
+        raise CertificateError(
+            f"{where} was issued by '{cert.issuer.rfc4514_string()}', not by the federation "
+            f"CA {ca_label}; {foreign_fix}",
+            cause="foreign_ca",
+        )
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (InvalidSignature, ValueError, TypeError) as exc:
+        raise CertificateError(
+            f"{where} is not signed by the federation CA {ca_label} (the signature does not "
+            "verify with the CA's key: it comes from a different CA with the same name); "
+            f"{foreign_fix}",
+            cause="foreign_ca",
+        ) from exc
+    if _is_ca(cert):
+        raise CertificateError(
+            f"{where} is a CA certificate, not a {purpose} certificate; {renew}",
+            cause="wrong_key_usage",
+        )
+    _check_validity(cert, where, now, renew)
+
+    common_name = _common_name(cert)
+    dns, ips = _san(cert)
+    usages = _eku(cert)
+    if purpose == "server":
+        if ExtendedKeyUsageOID.SERVER_AUTH not in usages:
+            raise CertificateError(
+                f"{where} is not a server certificate: it has no serverAuth extended key "
+                f"usage; {renew}",
+                cause="wrong_key_usage",
+            )
+        if not dns and not ips:
+            raise CertificateError(
+                f"{where} names no host (no subjectAltName), so no site can verify it; {renew}",
+                cause="bad_certificate",
+            )
+        return
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in usages:
+        raise CertificateError(
+            f"{where} is not a site certificate: it has no clientAuth extended key usage; {renew}",
+            cause="wrong_key_usage",
+        )
+    if common_name is None or SITE_NAME_RE.fullmatch(common_name) is None:
+        raise CertificateError(
+            f"{where} has no valid site name in its common name (CN={common_name!r}); {renew}",
+            cause="bad_certificate",
+        )
+    if dns and common_name not in dns:
+        raise CertificateError(
+            f"{where} has CN={common_name!r} but subjectAltName {list(dns)}; they must name "
+            f"the same site; {renew}",
+            cause="bad_certificate",
+        )
+
+
 # --------------------------------------------------------------------------- gRPC
 
 
-def server_credentials(cert: PathLike, key: PathLike, ca_cert: PathLike) -> grpc.ServerCredentials:
-    """mTLS server credentials that demand a client certificate from the federation CA.
+def server_credentials(
+    cert: PathLike, key: PathLike, ca_cert: PathLike, *, require_client_auth: bool = False
+) -> tuple[CertificateInfo, grpc.ServerCredentials]:
+    """TLS server credentials, and what :func:`check_certificate` found in ``cert``.
 
-    The files are checked first so a bad setup fails here, not at the first handshake.
+    The handshake authenticates the server; sites prove who they are at join
+    (``peer_auth``), where a refusal can be audited. ``require_client_auth=True`` also
+    has BoringSSL demand a CA-signed client certificate in the handshake (refusals
+    there never reach the application). The files are checked first so a bad setup
+    fails here, not at the first handshake.
     """
     info = check_certificate(cert, ca_cert, purpose="server", key_path=key)
     log.info(
@@ -662,17 +710,29 @@ def server_credentials(cert: PathLike, key: PathLike, ca_cert: PathLike) -> grpc
         ", ".join((*info.dns_names, *info.ip_addresses)),
         _fmt(info.not_valid_after),
     )
-    return grpc.ssl_server_credentials(
+    credentials = grpc.ssl_server_credentials(
         [(Path(key).read_bytes(), Path(cert).read_bytes())],
         root_certificates=Path(ca_cert).read_bytes(),
-        require_client_auth=True,
+        require_client_auth=require_client_auth,
     )
+    return info, credentials
 
 
 def channel_credentials(
     cert: PathLike, key: PathLike, ca_cert: PathLike
 ) -> grpc.ChannelCredentials:
-    """mTLS channel credentials for a site: present its certificate, trust only the CA."""
+    """TLS channel credentials for a site: trust only the CA, present the site's certificate.
+
+    The server verifies the site with its proof at join (``peer_auth``); the certificate
+    in the handshake is only asked for by a server with ``tls.verify_sites_in_handshake``.
+    """
+    return checked_site_credentials(cert, key, ca_cert)[1]
+
+
+def checked_site_credentials(
+    cert: PathLike, key: PathLike, ca_cert: PathLike
+) -> tuple[CertificateInfo, grpc.ChannelCredentials]:
+    """:func:`channel_credentials` and what :func:`check_certificate` found."""
     info = check_certificate(cert, ca_cert, purpose="site", key_path=key)
     log.info(
         "site TLS: %s as %r, valid until %s",
@@ -680,30 +740,17 @@ def channel_credentials(
         info.common_name,
         _fmt(info.not_valid_after),
     )
-    return grpc.ssl_channel_credentials(
+    credentials = grpc.ssl_channel_credentials(
         root_certificates=Path(ca_cert).read_bytes(),
         private_key=Path(key).read_bytes(),
         certificate_chain=Path(cert).read_bytes(),
     )
+    return info, credentials
 
 
-@functools.lru_cache(maxsize=1024)
-def _site_name_from_pem(pem: bytes) -> str | None:
-    try:
-        cert = x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        log.warning("peer presented a certificate that does not parse; treating it as unknown")
-        return None
-    # gRPC checks the chain but not the purpose, so a server certificate from the same
-    # CA would otherwise be accepted as a site.
-    if ExtendedKeyUsageOID.CLIENT_AUTH not in _eku(cert):
-        log.warning(
-            "peer certificate CN=%r has no clientAuth extended key usage; not a site",
-            _common_name(cert),
-        )
-        return None
-    dns, _ = _san(cert)
-    return _pick_site_name(_common_name(cert), dns)
+def site_name_of(cert: x509.Certificate) -> str | None:
+    """The site a certificate names (CN, agreeing with its SAN DNS names), or None."""
+    return _pick_site_name(_common_name(cert), _san(cert)[0])
 
 
 def _pick_site_name(common_name: str | None, dns: Sequence[str]) -> str | None:
@@ -714,23 +761,3 @@ def _pick_site_name(common_name: str | None, dns: Sequence[str]) -> str | None:
         return common_name if not dns or common_name in dns else None
     valid = [n for n in dns if SITE_NAME_RE.fullmatch(n)]
     return valid[0] if len(valid) == 1 and len(dns) == 1 else None
-
-
-def peer_site_name(context: _HasAuthContext) -> str | None:
-    """The site name in the verified client certificate of this RPC, or None.
-
-    None means no TLS, no client certificate, or a certificate that is not a site
-    certificate; the caller must then refuse the peer. The name still has to be checked
-    against the allow-list.
-    """
-    auth = context.auth_context() or {}
-    if [bytes(v) for v in auth.get("transport_security_type", ())] != [b"ssl"]:
-        return None
-    pem = list(auth.get("x509_pem_cert", ()))
-    if pem:
-        return _site_name_from_pem(bytes(pem[0]))
-    cns = [bytes(v).decode("utf-8", "replace") for v in auth.get("x509_common_name", ())]
-    dns = [
-        bytes(v).decode("utf-8", "replace") for v in auth.get("x509_subject_alternative_name", ())
-    ]
-    return _pick_site_name(cns[0] if cns else None, dns)

@@ -36,6 +36,17 @@ class TlsConfig:
 
 
 @dataclass
+class ServerTlsConfig(TlsConfig):
+    verify_sites_in_handshake: bool = option(
+        False,
+        "Also demand a CA-signed site certificate in the TLS handshake: peers without one "
+        "never reach fedtrain (a smaller attack surface), but those refusals are then not "
+        "in audit.jsonl, only in gRPC's stderr line. Sites prove their certificate at join "
+        "either way.",
+    )
+
+
+@dataclass
 class SiteTlsConfig(TlsConfig):
     server_name: str = option(
         "",

@@ -28,7 +28,7 @@ from fedtrain.strategy import RoundConfig, Scalar
 from fedtrain.tensors import Chunk, ModelState, TensorSpec
 
 #: Bumped when server and site can no longer talk; a Join with another one is refused.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).

@@ -21,6 +21,7 @@ from fedtrain.secagg.graph import (
 )
 from fedtrain.secagg.messages import RoundParams
 from fedtrain.secagg.quantize import Quantizer, max_bits_for
+from fedtrain.secagg.round_ids import describe
 
 MAX_SITE_ID = (1 << 32) - 1
 
@@ -50,6 +51,10 @@ class SecAggConfig:
             the sites in :class:`RoundParams` (0: off; see ``fedtrain.privacy.distributed``,
             which validates them); the server refuses to unmask a sum of fewer than
             ``dp_min_survivors`` sites.
+        consistency_check: sites sign the survivor set before revealing any share
+            (`fedtrain.secagg.consistency`), so a server that lies about who dropped
+            out gets neither both secrets of a site nor the sum of fewer than ``t``
+            sites. Needs site identities.
     """
 
     clip: float = 1.0
@@ -66,6 +71,7 @@ class SecAggConfig:
     dp_noise_multiplier: float = 0.0
     dp_clip_norm: float = 0.0
     dp_min_survivors: int = 0
+    consistency_check: bool = True
 
     def __post_init__(self) -> None:
         self.quantizer()  # validates the no-wrap budget
@@ -127,7 +133,7 @@ class SecAggConfig:
             raise SecAggError(f"secure aggregation needs at least 2 sites, got {len(ids)}")
         if len(ids) > self.max_clients:
             raise SecAggError(
-                f"round {round_id} has {len(ids)} sites but max_clients={self.max_clients}: "
+                f"{describe(round_id)} has {len(ids)} sites but max_clients={self.max_clients}: "
                 f"their sum could wrap; raise max_clients (and lower bits) or sample fewer"
             )
         if ids[0] < 1 or ids[-1] > MAX_SITE_ID:
@@ -138,7 +144,7 @@ class SecAggConfig:
             raise SecAggError(f"vector_length must be >= 1, got {vector_length}")
         if not 0 <= min_included <= len(ids):
             raise SecAggError(
-                f"round {round_id}: min_included = {min_included} must be in [0, {len(ids)}] "
+                f"{describe(round_id)}: min_included = {min_included} must be in [0, {len(ids)}] "
                 "(the round's sites); no sum of fewer could ever be unmasked"
             )
         k, t = self.degree_and_threshold(len(ids))
@@ -165,4 +171,5 @@ class SecAggConfig:
             dp_clip_norm=self.dp_clip_norm,
             dp_min_survivors=self.dp_min_survivors,
             min_included=min_included,
+            consistency_check=self.consistency_check,
         )

@@ -6,6 +6,8 @@
 * Share encryption: AES-256-GCM, random 96-bit nonce, associated data
   ``(round, sender, receiver)`` so a ciphertext cannot be replayed into another round
   or reflected to another receiver.
+* Attestations between neighbours (the consistency check): HMAC-SHA256 under a third
+  key derived from the same pair secret.
 * Masks: every 32-byte mask seed (a site's self-mask seed ``b``, or a pair's HKDF
   output) keys its stream through HKDF-SHA256 again (``mask_key``: 16 bytes, purpose
   ``mask-prg``); the mask is the AES-128-CTR keystream under that key (counter blocks
@@ -27,6 +29,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import struct
 from collections.abc import Iterable
@@ -41,6 +45,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedtrain.errors import SecAggError
+from fedtrain.secagg.round_ids import describe
 
 KEY_BYTES = 32
 SEED_BYTES = 32
@@ -113,6 +118,26 @@ def pair_mask_seed(shared_secret: bytes, round_id: int, a: int, b: int) -> bytes
     return _hkdf(shared_secret, _pair_info(b"pair-mask", round_id, a, b))
 
 
+def attestation_key(shared_secret: bytes, round_id: int, a: int, b: int) -> bytes:
+    """HMAC key with which sites ``a`` and ``b`` vouch for statements to each other.
+
+    Derived, like the share key, from their share-encryption keys, so only they hold
+    it: a MAC under it convinces the other of the two, and nobody else, much as a
+    signature would, for a fraction of a signature check's cost.
+    """
+    return _hkdf(shared_secret, _pair_info(b"attest", round_id, a, b))
+
+
+def attest(key: bytes, statement: bytes) -> bytes:
+    """HMAC-SHA256 of ``statement`` under an :func:`attestation_key`."""
+    return hmac.new(key, statement, hashlib.sha256).digest()
+
+
+def attested(key: bytes, statement: bytes, mac: bytes) -> bool:
+    """Whether ``mac`` is :func:`attest` of ``statement`` under ``key`` (constant time)."""
+    return hmac.compare_digest(attest(key, statement), mac)
+
+
 def mask_key(seed: bytes) -> bytes:
     """The AES-128 key of the mask stream of ``seed`` (a full 16-byte HKDF output)."""
     if len(seed) != SEED_BYTES:
@@ -138,7 +163,7 @@ def decrypt_shares(
     """Inverse of :func:`encrypt_shares`; any tampering raises SecAggError."""
     if len(ciphertext) < NONCE_BYTES + 16:
         raise SecAggError(
-            f"round {round_id}: share ciphertext from site {sender} to {receiver} is "
+            f"{describe(round_id)}: share ciphertext from site {sender} to {receiver} is "
             f"truncated ({len(ciphertext)} bytes)"
         )
     try:
@@ -149,7 +174,7 @@ def decrypt_shares(
         )
     except InvalidTag as exc:
         raise SecAggError(
-            f"round {round_id}: shares from site {sender} to site {receiver} failed "
+            f"{describe(round_id)}: shares from site {sender} to site {receiver} failed "
             f"authentication (tampered, corrupted or misrouted); abort this round"
         ) from exc
 

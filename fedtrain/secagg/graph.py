@@ -12,10 +12,16 @@ and the order is stable across Python/numpy versions.
 at ``n - 1`` (the complete graph, i.e. classic SecAgg).
 
 Each site Shamir-shares its two secrets among its ``k`` neighbours *and itself*
-(``k + 1`` holders) with threshold ``t``. Security needs ``t > (k + 1) / 2``: every
-honest holder reveals at most one of the two shares of a site, so the server cannot
-collect ``t`` shares of both. Correctness needs at least ``t`` of the ``k + 1`` holders
-to survive to the unmasking stage.
+(``k + 1`` holders) with threshold ``t``. Correctness needs at least ``t`` of the
+``k + 1`` holders to survive to the unmasking stage. Security needs
+``t > (k + 1) / 2``, but that alone is not enough: every honest holder reveals at most
+one of a site's two shares, yet a server that *lies* about who dropped can tell some
+holders that the site survived (they reveal seed shares) and others that it dropped
+(they reveal mask-key shares). What makes ``t > (k + 1) / 2`` sufficient is the
+consistency check (`fedtrain.secagg.consistency`): a holder reveals only when ``t`` of
+the site's holders signed the survivor set it was told, and two disjoint groups of
+``t`` among ``k + 1`` do not exist. Against an honest-but-curious server (one story
+for everyone) the bound suffices on its own.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from fedtrain.errors import SecAggError
 
@@ -76,7 +82,13 @@ def _order(sites: Iterable[int], seed: bytes) -> list[int]:
 
 def neighbour_graph(sites: Iterable[int], k: int, seed: bytes) -> dict[int, frozenset[int]]:
     """``{site: its neighbours}`` for all sites (the site itself is never included)."""
-    order = _order(sites, seed)
+    return dict(_graph(tuple(sorted(set(sites))), k, seed))
+
+
+@functools.lru_cache(maxsize=8)
+def _graph(ids: tuple[int, ...], k: int, seed: bytes) -> dict[int, frozenset[int]]:
+    # Cached: in the simulation every client of a round builds the same graph.
+    order = _order(ids, seed)
     n = len(order)
     if n == 0:
         return {}
@@ -89,6 +101,28 @@ def neighbour_graph(sites: Iterable[int], k: int, seed: bytes) -> dict[int, froz
     for i, s in enumerate(order):
         graph[s] = frozenset(order[(i + j) % n] for j in range(-half, half + 1) if j != 0)
     return graph
+
+
+def components(members: Iterable[int], graph: Mapping[int, frozenset[int]]) -> list[list[int]]:
+    """The connected components of the subgraph that ``members`` induce, each sorted.
+
+    Pairwise masks run along graph edges, so the masked inputs of a component whose
+    other neighbours all dropped (their mask keys revealed) sum to that component's
+    plain sum: a survivor set of two or more components would be unmasked piecewise.
+    """
+    left = set(members)
+    out = []
+    while left:
+        start = min(left)
+        left.discard(start)
+        part, todo = [start], [start]
+        while todo:
+            for v in graph.get(todo.pop(), frozenset()) & left:
+                left.discard(v)
+                part.append(v)
+                todo.append(v)
+        out.append(sorted(part))
+    return out
 
 
 def neighbours_of(site: int, sites: Sequence[int], k: int, seed: bytes) -> frozenset[int]:

@@ -14,6 +14,7 @@ import numpy as np
 from fedtrain.errors import SecAggError
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.crypto import MaskExpander
+from fedtrain.secagg.identity import InMemoryPKI
 from fedtrain.secagg.messages import MaskedInput, Message, decode_message
 from fedtrain.secagg.protocol import EncodedNoise, SecAggClient, SecAggResult, SecAggServer, Stage
 
@@ -47,13 +48,15 @@ def run_in_memory(
     broken_uploads: Iterable[int] = (),
     noise: EncodedNoise | None = None,
     min_included: int = 0,
+    pki: InMemoryPKI | None = None,
 ) -> SecAggResult:
     """Run one round over ``vectors`` (site id -> update; a sequence means ids 1..n).
 
     Args:
         weights: per-site weight (e.g. example count), same keys as ``vectors``.
         dropouts: ``{stage: sites}``: those sites vanish at that stage (0 advertise keys,
-            1 share keys, 2 masked input, 3 unmask), i.e. send nothing from then on.
+            1 share keys, 2 masked input, 3 sign the survivor set, 4 unmask), i.e. send
+            nothing from then on (without the consistency check, 3 acts as 4).
         rng: seeds the stochastic rounding (one child generator per site).
         through_bytes: send every message through ``to_bytes``/``decode_message``.
         chunk_elements: stream masked vectors to the server in chunks of this size.
@@ -61,6 +64,8 @@ def run_in_memory(
         noise: every site's privacy noise on its encoded update (distributed DP).
         min_included: the fewest masked inputs the server may unmask (the driver's
             acceptance minimum); fewer and the round fails with its sum still masked.
+        pki: the sites' identities (each enrolled as ``site-<id>``); a fresh one when the
+            config asks for the consistency check and none is given.
 
     Raises SecAggError when the round cannot complete (e.g. too many dropouts).
     """
@@ -78,24 +83,37 @@ def run_in_memory(
         )
     drop: dict[int, set[int]] = {int(s): set(ids) for s, ids in (dropouts or {}).items()}
     for stage in drop:
-        if stage not in range(4):
-            raise SecAggError(f"dropout stage must be 0..3, got {stage}")
+        if stage not in range(Stage.UNMASK + 1):
+            raise SecAggError(f"dropout stage must be 0..{int(Stage.UNMASK)}, got {stage}")
     broken = set(broken_uploads)
     gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
     site_rngs = gen.spawn(len(xs))
     expander = MaskExpander()  # shared: clients here run one after another
 
-    server = SecAggServer.from_config(config, round_id, xs, lengths.pop(), graph_seed, min_included)
+    if pki is None and config.consistency_check:
+        pki = InMemoryPKI()
+    server = SecAggServer.from_config(
+        config, round_id, xs, lengths.pop(), graph_seed, min_included, verifier=pki
+    )
     clients = {}
     for (site, x), site_rng in zip(sorted(xs.items()), site_rngs, strict=True):
-        client = SecAggClient(site, rng=site_rng, expander=expander, noise=noise)
+        client = SecAggClient(
+            site,
+            rng=site_rng,
+            expander=expander,
+            noise=noise,
+            identity=pki.enrol(f"site-{site}") if pki is not None else None,
+            verifier=pki,
+        )
         client.set_input(x, ws[site])
         clients[site] = client
 
     gone: set[int] = set()
     outgoing: Mapping[int, Any] = server.start()
-    for stage in range(4):
-        gone |= drop.get(stage, set())
+    while True:
+        stage = server.stage
+        for s in range(stage + 1):  # a stage skipped (no consistency check) drops them too
+            gone |= drop.get(s, set())
         for site, msg in sorted(outgoing.items()):
             if site in gone:
                 continue
@@ -104,9 +122,9 @@ def run_in_memory(
                 _upload_chunks(server, reply, chunk_elements, site in broken)
                 continue
             server.receive(_wire(reply, through_bytes))
-        if stage < 3:
-            outgoing = server.advance()
-    return server.finish()
+        if stage == Stage.UNMASK:
+            return server.finish()
+        outgoing = server.advance()
 
 
 def _upload_chunks(

@@ -7,10 +7,13 @@ library; a decoder rejects unknown types, short or trailing bytes with SecAggErr
 
 Stage by stage (server -> site, then site -> server):
 
-0. ``SetupRequest(params)``            -> ``AdvertiseKeys``
+0. ``SetupRequest(params)``            -> ``AdvertiseKeys`` (signed when sites have identities)
 1. ``KeysBroadcast`` (neighbour keys)  -> ``ShareKeys`` (encrypted shares per neighbour)
 2. ``RoutedShares`` (shares for me)    -> ``MaskedInput`` (the masked uint32 vector)
-3. ``UnmaskRequest`` (who survived)    -> ``UnmaskShares``
+3. ``ConsistencyRequest`` (U3)         -> ``ConsistencySignature`` (only with the
+   consistency check, ``RoundParams.consistency_check``)
+4. ``UnmaskRequest`` (who survived, and with the check the others' signatures)
+                                       -> ``UnmaskShares``
 
 ``MaskedInput`` carries the (large) masked vector; ``header_bytes()`` + ``payload()``
 let a transport send it without copying, or stream the vector in chunks on its own
@@ -19,6 +22,7 @@ channel and feed :meth:`SecAggServer.receive_masked_chunk`.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -29,7 +33,9 @@ from fedtrain.errors import SecAggError
 from fedtrain.secagg.quantize import Quantizer
 
 _MAGIC = b"SA"
-_VERSION = 1
+#: 2: signed advertisements, the consistency stage, min_included (a v1 peer is refused
+#: with "unsupported message version" rather than a confusing decode error).
+_VERSION = 2
 
 
 class _Writer:
@@ -62,6 +68,16 @@ class _Writer:
         for i, b in v:
             self.u32(i)
             self.blob(b)
+
+    def adverts(self, v: tuple[AdvertiseKeys, ...]) -> None:
+        """Advertisements of one round (the round id is the enclosing message's)."""
+        self.u32(len(v))
+        for k in v:
+            self.u32(k.site)
+            self.blob(k.enc_key)
+            self.blob(k.mask_key)
+            self.blob(k.credential)
+            self.blob(k.signature)
 
 
 class _Reader:
@@ -108,9 +124,24 @@ class _Reader:
             raise SecAggError(f"{self.name}: truncated message")
         return tuple((self.u32(), self.blob()) for _ in range(n))
 
+    def adverts(self, round_id: int) -> tuple[AdvertiseKeys, ...]:
+        n = self.u32()
+        if n > len(self.data):
+            raise SecAggError(f"{self.name}: truncated message")
+        return tuple(
+            AdvertiseKeys(round_id, self.u32(), self.blob(), self.blob(), self.blob(), self.blob())
+            for _ in range(n)
+        )
+
     def end(self) -> None:
         if self.pos != len(self.data):
             raise SecAggError(f"{self.name}: {len(self.data) - self.pos} trailing bytes")
+
+
+def _flag(v: int, name: str) -> bool:
+    if v not in (0, 1):
+        raise SecAggError(f"RoundParams.{name} must be 0 or 1, got {v}")
+    return bool(v)
 
 
 @dataclass(frozen=True)
@@ -144,6 +175,15 @@ class RoundParams:
     #: unmasked and thrown away (a retry would then unmask a second sum over a
     #: different subset of the same sites, and the difference is one site's update).
     min_included: int = 0
+    #: Run the consistency check (stage 3): sites sign the survivor set before any of
+    #: them reveals a share (`fedtrain.secagg.consistency`). Needs site identities.
+    consistency_check: bool = False
+
+    def digest(self) -> bytes:
+        """SHA-256 of the encoded parameters: what two sites compare to agree on them."""
+        w = _Writer(0)
+        self._write(w)
+        return hashlib.sha256(bytes(w.buf)).digest()
 
     def quantizer(self) -> Quantizer:
         return Quantizer(
@@ -170,6 +210,7 @@ class RoundParams:
         w.f64(self.dp_clip_norm)
         w.u32(self.dp_min_survivors)
         w.u32(self.min_included)
+        w.u8(int(self.consistency_check))
 
     @classmethod
     def _read(cls, r: _Reader) -> RoundParams:
@@ -189,6 +230,7 @@ class RoundParams:
             dp_clip_norm=r.f64(),
             dp_min_survivors=r.u32(),
             min_included=r.u32(),
+            consistency_check=_flag(r.u8(), "consistency_check"),
         )
 
 
@@ -216,13 +258,21 @@ class SetupRequest:
 
 @dataclass(frozen=True)
 class AdvertiseKeys:
-    """Stage 0, site -> server: two fresh X25519 public keys (share encryption, masks)."""
+    """Stage 0, site -> server: two fresh X25519 public keys (share encryption, masks).
+
+    With site identities (`fedtrain.secagg.identity`), ``credential`` certifies the
+    site's signing key and ``signature`` signs ``(round, site, enc_key, mask_key)``
+    with it, so neither the server nor anyone else can substitute the keys. Both are
+    empty without identities.
+    """
 
     TYPE: ClassVar[int] = 2
     round_id: int
     site: int
     enc_key: bytes
     mask_key: bytes
+    credential: bytes = b""
+    signature: bytes = b""
 
     def to_bytes(self) -> bytes:
         w = _Writer(self.TYPE)
@@ -230,12 +280,14 @@ class AdvertiseKeys:
         w.u32(self.site)
         w.blob(self.enc_key)
         w.blob(self.mask_key)
+        w.blob(self.credential)
+        w.blob(self.signature)
         return bytes(w.buf)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> AdvertiseKeys:
         r = _Reader(data, cls.TYPE, cls.__name__)
-        msg = cls(r.u64(), r.u32(), r.blob(), r.blob())
+        msg = cls(r.u64(), r.u32(), r.blob(), r.blob(), r.blob(), r.blob())
         r.end()
         return msg
 
@@ -258,21 +310,16 @@ class KeysBroadcast:
         w.u64(self.round_id)
         w.u32(self.site)
         w.ids(self.sites)
-        w.u32(len(self.keys))
-        for k in self.keys:
-            w.u32(k.site)
-            w.blob(k.enc_key)
-            w.blob(k.mask_key)
+        w.adverts(self.keys)
         return bytes(w.buf)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KeysBroadcast:
         r = _Reader(data, cls.TYPE, cls.__name__)
         round_id, site, sites = r.u64(), r.u32(), r.ids()
-        n = r.u32()
-        if n > len(sites):
-            raise SecAggError(f"{cls.__name__}: {n} keys for {len(sites)} sites")
-        keys = tuple(AdvertiseKeys(round_id, r.u32(), r.blob(), r.blob()) for _ in range(n))
+        keys = r.adverts(round_id)
+        if len(keys) > len(sites):
+            raise SecAggError(f"{cls.__name__}: {len(keys)} keys for {len(sites)} sites")
         r.end()
         return cls(round_id, site, sites, keys)
 
@@ -378,11 +425,74 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class ConsistencyRequest:
+    """Stage 3, server -> site: ``U3``, every site whose masked input is in the sum.
+
+    The whole set, not the site's neighbourhood: the site signs exactly this set
+    (:class:`ConsistencySignature`) and later reveals shares only as it dictates.
+    """
+
+    TYPE: ClassVar[int] = 9
+    round_id: int
+    site: int
+    survivors: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        w = _Writer(self.TYPE)
+        w.u64(self.round_id)
+        w.u32(self.site)
+        w.ids(self.survivors)
+        return bytes(w.buf)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ConsistencyRequest:
+        r = _Reader(data, cls.TYPE, cls.__name__)
+        msg = cls(r.u64(), r.u32(), r.ids())
+        r.end()
+        return msg
+
+
+@dataclass(frozen=True)
+class ConsistencySignature:
+    """Stage 3, site -> server: my signature of the survivor set I was sent.
+
+    ``macs``: ``(neighbour, MAC)`` of the same statement for each neighbour, under the
+    key we share (`crypto.attestation_key`): what a neighbour checks instead of the
+    signature, much faster; the signature serves everyone else.
+    """
+
+    TYPE: ClassVar[int] = 10
+    round_id: int
+    site: int
+    signature: bytes
+    macs: tuple[tuple[int, bytes], ...] = ()
+
+    def to_bytes(self) -> bytes:
+        w = _Writer(self.TYPE)
+        w.u64(self.round_id)
+        w.u32(self.site)
+        w.blob(self.signature)
+        w.pairs(self.macs)
+        return bytes(w.buf)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ConsistencySignature:
+        r = _Reader(data, cls.TYPE, cls.__name__)
+        msg = cls(r.u64(), r.u32(), r.blob(), r.pairs())
+        r.end()
+        return msg
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """Stage 3, server -> site: which of my share owners survived, which dropped.
+    """Stage 4, server -> site: which of my share owners survived, which dropped.
 
     The site reveals seed shares (b) for ``survivors`` and mask-key shares (s^sk) for
-    ``dropped``, and refuses if any site appears in both (or was seen before).
+    ``dropped``, and refuses if any site appears in both (or was seen before). With the
+    consistency check, ``signatures`` carries the survivor-set signatures of the share
+    holders of my share owners, ``macs`` my neighbours' attestations of their survivor
+    sets addressed to me, and ``keys`` the advertisements of those holders that are not
+    my neighbours (the ones I have already); all are empty without it.
     """
 
     TYPE: ClassVar[int] = 7
@@ -390,6 +500,9 @@ class UnmaskRequest:
     site: int
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
+    signatures: tuple[tuple[int, bytes], ...] = ()
+    keys: tuple[AdvertiseKeys, ...] = ()
+    macs: tuple[tuple[int, bytes], ...] = ()
 
     def to_bytes(self) -> bytes:
         w = _Writer(self.TYPE)
@@ -397,19 +510,24 @@ class UnmaskRequest:
         w.u32(self.site)
         w.ids(self.survivors)
         w.ids(self.dropped)
+        w.pairs(self.signatures)
+        w.adverts(self.keys)
+        w.pairs(self.macs)
         return bytes(w.buf)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> UnmaskRequest:
         r = _Reader(data, cls.TYPE, cls.__name__)
-        msg = cls(r.u64(), r.u32(), r.ids(), r.ids())
+        round_id, site = r.u64(), r.u32()
+        survivors, dropped, signatures = r.ids(), r.ids(), r.pairs()
+        msg = cls(round_id, site, survivors, dropped, signatures, r.adverts(round_id), r.pairs())
         r.end()
         return msg
 
 
 @dataclass(frozen=True)
 class UnmaskShares:
-    """Stage 3, site -> server: ``(owner, Share bytes)`` of seeds and of mask keys."""
+    """Stage 4, site -> server: ``(owner, Share bytes)`` of seeds and of mask keys."""
 
     TYPE: ClassVar[int] = 8
     round_id: int
@@ -433,8 +551,8 @@ class UnmaskShares:
         return msg
 
 
-ServerMessage = SetupRequest | KeysBroadcast | RoutedShares | UnmaskRequest
-ClientMessage = AdvertiseKeys | ShareKeys | MaskedInput | UnmaskShares
+ServerMessage = SetupRequest | KeysBroadcast | RoutedShares | ConsistencyRequest | UnmaskRequest
+ClientMessage = AdvertiseKeys | ShareKeys | MaskedInput | ConsistencySignature | UnmaskShares
 Message = ServerMessage | ClientMessage
 
 _TYPES: dict[int, type] = {
@@ -448,6 +566,8 @@ _TYPES: dict[int, type] = {
         MaskedInput,
         UnmaskRequest,
         UnmaskShares,
+        ConsistencyRequest,
+        ConsistencySignature,
     )
 }
 

@@ -10,8 +10,15 @@ sites that did not reply by then are dropouts. Sets of sites, as in Bonawitz et 
 * ``U2``: shared their secrets (stage 1), pruned so every member keeps >= t - 1
   neighbours in ``U2`` (else its self-mask could never be removed).
 * ``U3``: delivered a complete masked input (stage 2); these are the *included* sites.
-* ``U4``: revealed shares (stage 3). Each site in ``U3`` needs ``t`` seed shares from
+  It must be connected in the graph (else each part's sum would be unmasked alone).
+* With the consistency check (stage 3, ``RoundParams.consistency_check``): the sites of
+  ``U3`` that signed ``U3``; only they are asked to reveal, and each reveals only under
+  the rule of `fedtrain.secagg.consistency`.
+* ``U4``: revealed shares (stage 4). Each site in ``U3`` needs ``t`` seed shares from
   ``U4``; each site in ``U2 - U3`` with a neighbour in ``U3`` needs ``t`` mask-key shares.
+
+With site identities (`fedtrain.secagg.identity`) every advertisement is signed and
+every site checks its neighbours' signatures before it encrypts a share to them.
 
 Masked input of site ``i``: ``y_i = enc(x_i, w_i) + PRG(b_i) + sum_j sign(i, j) PRG(s_ij)``
 over its neighbours ``j`` in ``U2``, ``sign = +1 if i < j else -1``; pairwise masks of
@@ -30,19 +37,28 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedtrain.errors import SecAggError
-from fedtrain.secagg import crypto, shamir
+from fedtrain.secagg import consistency, crypto, shamir
 from fedtrain.secagg.aggregator import ModularSumAggregator
 from fedtrain.secagg.config import MAX_SITE_ID, SecAggConfig
 from fedtrain.secagg.graph import (
     GRAPH_SEED_BYTES,
     check_threshold,
+    components,
     effective_degree,
     neighbour_graph,
-    neighbours_of,
+)
+from fedtrain.secagg.identity import (
+    Identity,
+    VerifiedPeer,
+    Verifier,
+    advertisement_statement,
+    survivors_statement,
 )
 from fedtrain.secagg.messages import (
     AdvertiseKeys,
     ClientMessage,
+    ConsistencyRequest,
+    ConsistencySignature,
     KeysBroadcast,
     MaskedInput,
     RoundParams,
@@ -59,7 +75,8 @@ from fedtrain.secagg.round_ids import describe
 logger = logging.getLogger(__name__)
 
 _PAIR = struct.Struct("<II")
-_SHARES_PLAINTEXT = _PAIR.size + 2 * shamir.SHARE_BYTES
+# sender, receiver, the sender's commitment to its view (consistency R0), two shares
+_SHARES_PLAINTEXT = _PAIR.size + consistency.COMMITMENT_BYTES + 2 * shamir.SHARE_BYTES
 _MAX_CIPHERTEXT = crypto.NONCE_BYTES + _SHARES_PLAINTEXT + 16
 
 
@@ -69,9 +86,10 @@ class Stage(enum.IntEnum):
     SETUP = 0
     SHARE_KEYS = 1
     MASKED_INPUT = 2
-    UNMASK = 3
-    DONE = 4
-    FAILED = 5
+    CONSISTENCY = 3
+    UNMASK = 4
+    DONE = 5
+    FAILED = 6
 
 
 def validate_params(params: RoundParams) -> Quantizer:
@@ -147,6 +165,12 @@ class SecAggClient:
     server message to :meth:`handle`, which returns the reply. Any SecAggError puts
     the client in ``FAILED``: it answers nothing more this round. ``noise``, if given,
     noises the quantized update before masking (distributed DP).
+
+    ``identity`` and ``verifier`` (together, or neither) bind keys to sites: the client
+    signs its advertisement and refuses neighbours whose keys are not signed by a
+    verified identity. A round with the consistency check needs them; with
+    ``require_consistency_check`` the client also refuses a round without it (a server
+    could simply switch it off).
     """
 
     def __init__(
@@ -155,13 +179,22 @@ class SecAggClient:
         rng: np.random.Generator | None = None,
         expander: crypto.MaskExpander | None = None,
         noise: EncodedNoise | None = None,
+        *,
+        identity: Identity | None = None,
+        verifier: Verifier | None = None,
+        require_consistency_check: bool = False,
     ) -> None:
         if not (1 <= site <= MAX_SITE_ID):
             raise SecAggError(f"site id must be in [1, 2^32 - 1], got {site}")
+        if (identity is None) != (verifier is None):
+            raise SecAggError(f"site {site}: give both an identity and a verifier, or neither")
         self.site = site
         self._rng = rng if rng is not None else np.random.default_rng()
         self._expander = expander if expander is not None else crypto.MaskExpander()
         self._noise = noise
+        self._identity = identity
+        self._verifier = verifier
+        self._require_check = require_consistency_check
         self._stage = Stage.SETUP
         self._params: RoundParams | None = None
         self._quantizer: Quantizer | None = None
@@ -170,11 +203,18 @@ class SecAggClient:
         self._enc: crypto.KeyPair | None = None
         self._mask: crypto.KeyPair | None = None
         self._seed: bytes | None = None
-        self._neighbour_keys: dict[int, AdvertiseKeys] = {}
+        self._alive: tuple[int, ...] = ()
+        # me and my neighbours: advertisement, and its verified identity (if any)
+        self._known: dict[int, tuple[AdvertiseKeys, VerifiedPeer | None]] = {}
         # neighbour -> AES-GCM key of the shares between us (one key both ways)
         self._pair_keys: dict[int, bytes] = {}
+        # neighbour -> HMAC key of our attestations to each other (consistency check)
+        self._attest_keys: dict[int, bytes] = {}
         # owner -> (seed share, mask-key share) that this site holds (itself included)
         self._held: dict[int, tuple[shamir.Share, shamir.Share]] = {}
+        # owner -> the commitment it sealed into its shares (consistency R0)
+        self._commitments: dict[int, bytes] = {}
+        self._signed: tuple[int, ...] | None = None  # the survivor set this site signed
 
     @property
     def stage(self) -> Stage:
@@ -201,6 +241,8 @@ class SecAggClient:
                 return self._share_keys(msg)
             if isinstance(msg, RoutedShares):
                 return self._masked_input(msg)
+            if isinstance(msg, ConsistencyRequest):
+                return self._consistency(msg)
             if isinstance(msg, UnmaskRequest):
                 return self._unmask(msg)
             raise SecAggError(f"site {self.site}: unexpected message {type(msg).__name__}")
@@ -215,6 +257,7 @@ class SecAggClient:
         self._enc = None
         self._mask = None
         self._pair_keys.clear()
+        self._attest_keys.clear()
         self._held.clear()
 
     def _expect(self, stage: Stage, msg: ServerMessage, round_id: int, site: int) -> RoundParams:
@@ -241,14 +284,66 @@ class SecAggClient:
         if msg.site != self.site:
             raise SecAggError(f"site {self.site}: got a SetupRequest for site {msg.site}")
         params = msg.params
+        where = f"site {self.site}, {describe(params.round_id)}"
         self._quantizer = validate_params(params)
         if self.site not in params.sites:
             raise SecAggError(f"site {self.site} is not among the round's sites")
+        if params.consistency_check and self._identity is None:
+            raise SecAggError(
+                f"{where}: the round runs the consistency check, but this site has no signing "
+                "identity (a site certificate) to take part in it"
+            )
+        if not params.consistency_check and self._require_check:
+            raise SecAggError(
+                f"{where}: the server does not run the consistency check, so it could learn "
+                "one site's update by telling sites different survivor sets; this site "
+                "requires it (the server must set secagg.consistency_check = true)"
+            )
         self._params = params
         self._enc = crypto.KeyPair.generate()
         self._mask = crypto.KeyPair.generate()
+        advert = AdvertiseKeys(params.round_id, self.site, self._enc.public, self._mask.public)
+        me: VerifiedPeer | None = None
+        if self._identity is not None and self._verifier is not None:
+            statement = advertisement_statement(
+                params.round_id, self.site, advert.enc_key, advert.mask_key
+            )
+            credential = self._identity.credential
+            advert = AdvertiseKeys(
+                advert.round_id,
+                advert.site,
+                advert.enc_key,
+                advert.mask_key,
+                credential,
+                self._identity.sign(statement),
+            )
+            me = self._verifier.verify(self.site, credential)  # my own must verify too
+        self._known[self.site] = (advert, me)
         self._stage = Stage.SHARE_KEYS
-        return AdvertiseKeys(params.round_id, self.site, self._enc.public, self._mask.public)
+        return advert
+
+    def _check_advert(self, params: RoundParams, advert: AdvertiseKeys) -> VerifiedPeer | None:
+        """A neighbour's advertisement is signed by a verified identity (None: no identities)."""
+        if self._verifier is None:
+            return None
+        where = f"site {self.site}, {describe(params.round_id)}"
+        try:
+            peer = self._verifier.verify(advert.site, advert.credential)
+        except SecAggError as exc:
+            raise SecAggError(
+                f"{where}: the identity of neighbour {advert.site} does not verify ({exc}); "
+                "refusing to share keys with it"
+            ) from None
+        statement = advertisement_statement(
+            params.round_id, advert.site, advert.enc_key, advert.mask_key
+        )
+        if not peer.signed(advert.signature, statement):
+            raise SecAggError(
+                f"{where}: the public keys of neighbour {advert.site} ({peer.name!r}) are not "
+                "signed by its certified key: forged or altered (by the server?); refusing to "
+                "share keys with it"
+            )
+        return peer
 
     # -- stage 1 -------------------------------------------------------------------
     def _share_keys(self, msg: KeysBroadcast) -> ShareKeys:
@@ -261,7 +356,7 @@ class SecAggClient:
         if self.site not in alive:
             raise SecAggError(f"site {self.site}: left out of the sites that advertised keys")
         check_threshold(params.t, params.k, len(alive))
-        neighbours = neighbours_of(self.site, alive, params.k, params.graph_seed)
+        neighbours = neighbour_graph(alive, params.k, params.graph_seed)[self.site]
         keys = {k.site: k for k in msg.keys}
         if len(keys) != len(msg.keys) or set(keys) != neighbours:
             raise SecAggError(
@@ -276,21 +371,40 @@ class SecAggClient:
             publics += [k.enc_key, k.mask_key]
         if len(set(publics)) != len(publics):
             raise SecAggError(f"site {self.site}: neighbours' public keys are not all distinct")
-        self._neighbour_keys = keys
+        for v in sorted(keys):
+            self._known[v] = (keys[v], self._check_advert(params, keys[v]))
+        if self._verifier is not None:
+            names = [peer.name for _, peer in self._known.values() if peer is not None]
+            if len(set(names)) != len(names):
+                raise SecAggError(
+                    f"site {self.site}, {describe(params.round_id)}: my neighbours are not "
+                    f"distinct sites (certified names {sorted(names)}); refusing to share keys"
+                )
+        self._alive = alive
+        sealed = consistency.commitment(
+            consistency.view(params, alive),
+            self.site,
+            {s: consistency.entry(a) for s, (a, _) in self._known.items()},
+        )
         self._seed = crypto.new_seed()
         holders = sorted(neighbours | {self.site})
         seed_shares = shamir.split(self._seed, params.t, holders)
         key_shares = shamir.split(self._mask.private_bytes(), params.t, holders)
         self._held[self.site] = (seed_shares[self.site], key_shares[self.site])
+        self._commitments[self.site] = sealed
         out = []
         for v in sorted(neighbours):
             plaintext = (
-                _PAIR.pack(self.site, v) + seed_shares[v].to_bytes() + key_shares[v].to_bytes()
+                _PAIR.pack(self.site, v)
+                + sealed
+                + seed_shares[v].to_bytes()
+                + key_shares[v].to_bytes()
             )
-            key = crypto.share_key(
-                self._enc.exchange(keys[v].enc_key), params.round_id, self.site, v
-            )
+            shared = self._enc.exchange(keys[v].enc_key)
+            key = crypto.share_key(shared, params.round_id, self.site, v)
             self._pair_keys[v] = key
+            if params.consistency_check:
+                self._attest_keys[v] = crypto.attestation_key(shared, params.round_id, self.site, v)
             out.append((v, crypto.encrypt_shares(key, plaintext, params.round_id, self.site, v)))
         self._enc = None  # its only use, the share keys, is done
         self._stage = Stage.MASKED_INPUT
@@ -304,10 +418,11 @@ class SecAggClient:
         if self._update is None or self._weight is None:
             raise SecAggError(f"site {self.site}: no input set before the masked-input stage")
         senders = [s for s, _ in msg.ciphertexts]
-        if len(set(senders)) != len(senders) or not set(senders) <= set(self._neighbour_keys):
+        neighbours = set(self._known) - {self.site}
+        if len(set(senders)) != len(senders) or not set(senders) <= neighbours:
             raise SecAggError(
                 f"site {self.site}: routed shares from {sorted(senders)}, which are not "
-                f"distinct neighbours {sorted(self._neighbour_keys)}"
+                f"distinct neighbours {sorted(neighbours)}"
             )
         if len(senders) + 1 < params.t:
             raise SecAggError(
@@ -318,7 +433,9 @@ class SecAggClient:
         for sender, ciphertext in msg.ciphertexts:
             key = self._pair_keys[sender]
             plaintext = crypto.decrypt_shares(key, ciphertext, params.round_id, sender, self.site)
-            self._held[sender] = self._parse_shares(plaintext, sender, params)
+            self._commitments[sender], self._held[sender] = self._parse_shares(
+                plaintext, sender, params
+            )
         update = self._update
         if update.size != params.vector_length:
             raise SecAggError(
@@ -330,7 +447,7 @@ class SecAggClient:
             self._noise(y, self._quantizer)
         masks = [(self._seed, 1)]
         for v in senders:
-            shared = self._mask.exchange(self._neighbour_keys[v].mask_key)
+            shared = self._mask.exchange(self._known[v][0].mask_key)
             seed = crypto.pair_mask_seed(shared, params.round_id, self.site, v)
             masks.append((seed, _sign(self.site, v)))
         self._expander.apply_many(y, masks)
@@ -339,12 +456,12 @@ class SecAggClient:
         self._seed = None
         self._mask = None
         self._pair_keys.clear()
-        self._stage = Stage.UNMASK
+        self._stage = Stage.CONSISTENCY if params.consistency_check else Stage.UNMASK
         return MaskedInput(params.round_id, self.site, y)
 
     def _parse_shares(
         self, plaintext: bytes, sender: int, params: RoundParams
-    ) -> tuple[shamir.Share, shamir.Share]:
+    ) -> tuple[bytes, tuple[shamir.Share, shamir.Share]]:
         if len(plaintext) != _SHARES_PLAINTEXT:
             raise SecAggError(f"site {self.site}: malformed shares from site {sender}")
         inner_sender, inner_receiver = _PAIR.unpack_from(plaintext)
@@ -353,7 +470,7 @@ class SecAggClient:
                 f"site {self.site}: shares from {sender} claim to be {inner_sender}->"
                 f"{inner_receiver}"
             )
-        a = _PAIR.size
+        a = _PAIR.size + consistency.COMMITMENT_BYTES
         b = a + shamir.SHARE_BYTES
         pair = (
             shamir.Share.from_bytes(plaintext[a:b]),
@@ -364,9 +481,29 @@ class SecAggClient:
                 raise SecAggError(
                     f"site {self.site}: share from site {sender} has wrong parameters"
                 )
-        return pair
+        return plaintext[_PAIR.size : a], pair
 
     # -- stage 3 -------------------------------------------------------------------
+    def _consistency(self, msg: ConsistencyRequest) -> ConsistencySignature:
+        params = self._expect(Stage.CONSISTENCY, msg, msg.round_id, msg.site)
+        assert self._identity is not None  # checked at setup
+        graph = neighbour_graph(self._alive, params.k, params.graph_seed)
+        senders = set(self._held) - {self.site}
+        consistency.check_survivor_set(self.site, params, graph, senders, msg.survivors)
+        me = self._known[self.site][0]
+        statement = survivors_statement(
+            params.round_id, self.site, me.enc_key, me.mask_key, msg.survivors
+        )
+        self._signed = tuple(msg.survivors)
+        self._stage = Stage.UNMASK
+        macs = tuple(
+            (v, crypto.attest(key, statement)) for v, key in sorted(self._attest_keys.items())
+        )
+        return ConsistencySignature(
+            params.round_id, self.site, self._identity.sign(statement), macs
+        )
+
+    # -- stage 4 -------------------------------------------------------------------
     def _unmask(self, msg: UnmaskRequest) -> UnmaskShares:
         params = self._expect(Stage.UNMASK, msg, msg.round_id, msg.site)
         survivors, dropped = set(msg.survivors), set(msg.dropped)
@@ -390,11 +527,45 @@ class SecAggClient:
                 f"site {self.site}: only {len(survivors)} of my share owners survived, fewer "
                 f"than t={params.t}; refusing to help unmask so small a sum"
             )
+        if params.consistency_check:
+            self._check_consistency(params, msg)
         seed_shares = tuple((o, self._held[o][0].to_bytes()) for o in sorted(survivors))
         key_shares = tuple((o, self._held[o][1].to_bytes()) for o in sorted(dropped))
         self._held.clear()
+        self._attest_keys.clear()
         self._stage = Stage.DONE
         return UnmaskShares(params.round_id, self.site, seed_shares, key_shares)
+
+    def _check_consistency(self, params: RoundParams, msg: UnmaskRequest) -> None:
+        """Rules R2 and R3 of `fedtrain.secagg.consistency` before revealing anything."""
+        signed = self._signed
+        assert signed is not None and self._verifier is not None  # stage 3 passed
+        u3 = set(signed)
+        want_survivors = sorted(set(self._held) & u3)
+        want_dropped = sorted(set(self._held) - u3)
+        if sorted(msg.survivors) != want_survivors or sorted(msg.dropped) != want_dropped:
+            raise SecAggError(
+                f"site {self.site}, {describe(params.round_id)}: the unmask request (survived "
+                f"{sorted(msg.survivors)}, dropped {sorted(msg.dropped)}) contradicts the "
+                f"survivor set I signed (survived {want_survivors}, dropped {want_dropped}); "
+                "refusing to reveal"
+            )
+        known = {s: (a, peer) for s, (a, peer) in self._known.items() if peer is not None}
+        consistency.check_reveal(
+            site=self.site,
+            params=params,
+            graph=neighbour_graph(self._alive, params.k, params.graph_seed),
+            survivors=signed,
+            held=self._held,
+            commitments=self._commitments,
+            known=known,
+            forwarded=msg.keys,
+            signatures=dict(msg.signatures),
+            attestations={
+                s: (self._attest_keys[s], mac) for s, mac in msg.macs if s in self._attest_keys
+            },
+            verifier=self._verifier,
+        )
 
 
 class SecAggServer:
@@ -407,10 +578,20 @@ class SecAggServer:
     cannot complete (too many dropouts) raises SecAggError and the round is FAILED.
     """
 
-    def __init__(self, params: RoundParams, expander: crypto.MaskExpander | None = None) -> None:
+    def __init__(
+        self,
+        params: RoundParams,
+        expander: crypto.MaskExpander | None = None,
+        verifier: Verifier | None = None,
+    ) -> None:
         self.params = params
         self.quantizer = validate_params(params)
         self._expander = expander if expander is not None else crypto.MaskExpander()
+        # Checks advertisements and survivor-set signatures as they arrive, so a site
+        # whose credential or signature is bad is dropped here instead of making all its
+        # neighbours refuse the round (they check everything again themselves).
+        self._verifier = verifier
+        self._peers: dict[int, VerifiedPeer] = {}
         self._stage = Stage.SETUP
         self._started = False
         self._all = frozenset(params.sites)
@@ -422,6 +603,9 @@ class SecAggServer:
         self._progress: dict[int, int] = {}
         self._journal: dict[int, list[np.ndarray]] = {}
         self._u3: set[int] = set()
+        self._signatures: dict[int, bytes] = {}  # stage 3: site -> its signature of U3
+        self._macs: dict[int, dict[int, bytes]] = {}  # stage 3: site -> neighbour -> MAC
+        self._revealers: frozenset[int] = frozenset()  # asked to reveal in stage 4
         self._requests: dict[int, UnmaskRequest] = {}
         self._seed_shares: dict[int, list[shamir.Share]] = {}
         self._key_shares: dict[int, list[shamir.Share]] = {}
@@ -436,8 +620,10 @@ class SecAggServer:
         vector_length: int,
         graph_seed: bytes | None = None,
         min_included: int = 0,
+        verifier: Verifier | None = None,
     ) -> SecAggServer:
-        return cls(config.round_params(round_id, sites, vector_length, graph_seed, min_included))
+        params = config.round_params(round_id, sites, vector_length, graph_seed, min_included)
+        return cls(params, verifier=verifier)
 
     @property
     def stage(self) -> Stage:
@@ -452,8 +638,10 @@ class SecAggServer:
             return frozenset(self._keys) - set(self._ciphertexts)
         if self._stage == Stage.MASKED_INPUT:
             return self._u2 - self._u3
+        if self._stage == Stage.CONSISTENCY:
+            return frozenset(self._u3) - set(self._signatures)
         if self._stage == Stage.UNMASK:
-            return frozenset(self._u3) - self._u4
+            return self._revealers - self._u4
         return frozenset()
 
     def _fail(self, message: str) -> SecAggError:
@@ -500,6 +688,8 @@ class SecAggServer:
             self.receive_masked_chunk(msg.site, 0, msg.vector)
             if msg.site not in self._u3:
                 raise self._incomplete(msg.site)
+        elif isinstance(msg, ConsistencySignature):
+            self._receive_signature(msg)
         elif isinstance(msg, UnmaskShares):
             self._receive_unmask(msg)
         else:
@@ -514,6 +704,15 @@ class SecAggServer:
                 raise SecAggError(f"site {msg.site} advertised a {len(key)}-byte public key")
         if msg.enc_key == msg.mask_key:
             raise SecAggError(f"site {msg.site} advertised the same key twice")
+        if self._verifier is not None:
+            peer = self._verifier.verify(msg.site, msg.credential)
+            statement = advertisement_statement(msg.round_id, msg.site, msg.enc_key, msg.mask_key)
+            if not peer.signed(msg.signature, statement):
+                raise SecAggError(
+                    f"site {msg.site} ({peer.name!r}) advertised keys its certified key did "
+                    "not sign"
+                )
+            self._peers[msg.site] = peer
         self._keys[msg.site] = msg
 
     # -- stage 1 -------------------------------------------------------------------
@@ -528,7 +727,10 @@ class SecAggServer:
             )
         self._graph = neighbour_graph(alive, p.k, p.graph_seed)
         logger.debug(
-            "secagg round %d: %d/%d sites advertised keys", p.round_id, len(alive), len(p.sites)
+            "secure aggregation, %s: %d/%d sites advertised keys",
+            describe(p.round_id),
+            len(alive),
+            len(p.sites),
         )
         return {
             u: KeysBroadcast(
@@ -578,7 +780,7 @@ class SecAggServer:
                 f"shared keys, t={p.t}); too many dropouts"
             )
         self._u2 = frozenset(u2)
-        logger.debug("secagg round %d: %d sites shared keys", p.round_id, len(u2))
+        logger.debug("secure aggregation, %s: %d sites shared keys", describe(p.round_id), len(u2))
         return {
             v: RoutedShares(
                 p.round_id,
@@ -647,7 +849,7 @@ class SecAggServer:
     def _incomplete(self, site: int) -> SecAggError:
         self.abort_masked_input(site)
         return SecAggError(
-            f"round {self.params.round_id}: masked input of site {site} is shorter than "
+            f"{describe(self.params.round_id)}: masked input of site {site} is shorter than "
             f"{self._agg.length} values; dropped"
         )
 
@@ -655,7 +857,7 @@ class SecAggServer:
         """Sites holding ``owner``'s shares: its neighbours in U2, and itself."""
         return (self._graph[owner] & self._u2) | {owner}
 
-    def _close_masked_input(self) -> dict[int, UnmaskRequest]:
+    def _close_masked_input(self) -> dict[int, ServerMessage]:
         p = self.params
         for site in list(self._journal):
             self.abort_masked_input(site)
@@ -690,26 +892,106 @@ class SecAggServer:
                 "too many dropouts to unmask: fewer than t="
                 f"{p.t} surviving share holders for " + ", ".join(short)
             )
+        parts = components(u3, self._graph)
+        if len(parts) > 1:
+            raise self._fail(
+                f"the {len(u3)} masked inputs fall apart into {len(parts)} groups with no pair "
+                f"mask between them (sizes {sorted(len(part) for part in parts)}): unmasking "
+                "would reveal each group's sum; too many dropouts"
+            )
         logger.debug(
-            "secagg round %d: %d masked inputs, %d dropped after sharing",
-            p.round_id,
+            "secure aggregation, %s: %d masked inputs, %d dropped after sharing",
+            describe(p.round_id),
             len(u3),
             len(dropped),
         )
-        self._requests = {
-            u: UnmaskRequest(
+        if p.consistency_check:
+            survivors = tuple(sorted(u3))
+            return {u: ConsistencyRequest(p.round_id, u, survivors) for u in survivors}
+        return self._unmask_requests(u3)
+
+    def _unmask_requests(self, revealers: frozenset[int]) -> dict[int, UnmaskRequest]:
+        """Stage 4's requests, to ``revealers`` (U3, or those of U3 that signed it)."""
+        p = self.params
+        u3 = frozenset(self._u3)
+        dropped = self._u2 - u3
+        self._revealers = revealers
+        self._requests = {}
+        for u in sorted(revealers):
+            signatures: tuple[tuple[int, bytes], ...] = ()
+            keys: tuple[AdvertiseKeys, ...] = ()
+            macs: tuple[tuple[int, bytes], ...] = ()
+            if p.consistency_check:
+                # Every holder of every owner u holds shares of: u checks t signatures each.
+                wanted = set().union(
+                    *(consistency.holders(o, self._graph) for o in self._holders(u))
+                )
+                signatures = tuple(
+                    (s, self._signatures[s]) for s in sorted(wanted & set(self._signatures))
+                )
+                keys = tuple(self._keys[s] for s in sorted(wanted - self._graph[u] - {u}))
+                macs = tuple(
+                    (s, self._macs[s][u])
+                    for s in sorted(self._graph[u] & set(self._macs))
+                    if u in self._macs[s]
+                )
+            self._requests[u] = UnmaskRequest(
                 p.round_id,
                 u,
                 tuple(sorted(self._holders(u) & u3)),
                 tuple(sorted(self._graph[u] & dropped)),
+                signatures,
+                keys,
+                macs,
             )
-            for u in sorted(u3)
-        }
         return dict(self._requests)
 
     # -- stage 3 -------------------------------------------------------------------
+    def _receive_signature(self, msg: ConsistencySignature) -> None:
+        self._check(msg, Stage.CONSISTENCY, self._u3)
+        if msg.site in self._signatures:
+            raise SecAggError(f"site {msg.site} signed the survivor set twice")
+        macs = dict(msg.macs)
+        if len(macs) != len(msg.macs) or not set(macs) <= self._graph[msg.site]:
+            raise SecAggError(
+                f"site {msg.site} attested the survivor set to {sorted(macs)}, which are not "
+                f"distinct neighbours of it"
+            )
+        peer = self._peers.get(msg.site)
+        if peer is not None:
+            advert = self._keys[msg.site]
+            statement = survivors_statement(
+                msg.round_id, msg.site, advert.enc_key, advert.mask_key, sorted(self._u3)
+            )
+            if not peer.signed(msg.signature, statement):
+                raise SecAggError(
+                    f"site {msg.site} ({peer.name!r}): its signature of the survivor set does "
+                    "not verify"
+                )
+        self._signatures[msg.site] = msg.signature
+        self._macs[msg.site] = macs
+
+    def _close_consistency(self) -> dict[int, UnmaskRequest]:
+        """Ask the signers to reveal, if every owner still has t signers among its holders."""
+        p = self.params
+        signers = frozenset(self._signatures)
+        u3 = frozenset(self._u3)
+        needed = sorted(u3) + sorted(v for v in self._u2 - u3 if self._graph[v] & u3)
+        short = [
+            f"site {o} ({len(consistency.holders(o, self._graph) & signers)} signed)"
+            for o in needed
+            if len(consistency.holders(o, self._graph) & signers) < p.t
+        ]
+        if short:
+            raise self._fail(
+                f"only {len(signers)} of {len(u3)} included sites signed the survivor set; "
+                f"fewer than t={p.t} share holders signed it for " + ", ".join(short)
+            )
+        return self._unmask_requests(signers)
+
+    # -- stage 4 -------------------------------------------------------------------
     def _receive_unmask(self, msg: UnmaskShares) -> None:
-        self._check(msg, Stage.UNMASK, self._u3)
+        self._check(msg, Stage.UNMASK, self._revealers)
         if msg.site in self._u4:
             raise SecAggError(f"site {msg.site} sent its unmasking shares twice")
         request = self._requests[msg.site]
@@ -737,7 +1019,7 @@ class SecAggServer:
     def advance(self) -> dict[int, ServerMessage]:
         """Close the current stage (late replies are dropouts); the next stage's messages."""
         if not self._started:
-            raise SecAggError(f"round {self.params.round_id}: call start() first")
+            raise SecAggError(f"{describe(self.params.round_id)}: call start() first")
         out: dict[int, ServerMessage]
         if self._stage == Stage.SETUP:
             out = dict(self._close_setup())
@@ -745,19 +1027,22 @@ class SecAggServer:
             out = dict(self._close_share_keys())
         elif self._stage == Stage.MASKED_INPUT:
             out = dict(self._close_masked_input())
+        elif self._stage == Stage.CONSISTENCY:
+            out = dict(self._close_consistency())
         else:
             raise SecAggError(
-                f"round {self.params.round_id}: cannot advance from stage {self._stage.name}"
+                f"{describe(self.params.round_id)}: cannot advance from stage {self._stage.name}"
                 + ("; call finish()" if self._stage == Stage.UNMASK else "")
             )
-        self._stage = Stage(self._stage + 1)
+        skip = self._stage == Stage.MASKED_INPUT and not self.params.consistency_check
+        self._stage = Stage(self._stage + (2 if skip else 1))
         return out
 
     def finish(self) -> SecAggResult:
         """Close the unmasking stage, remove every mask, return the sum."""
         p = self.params
         if self._stage != Stage.UNMASK:
-            raise SecAggError(f"round {p.round_id}: finish() in stage {self._stage.name}")
+            raise SecAggError(f"{describe(p.round_id)}: finish() in stage {self._stage.name}")
         u3 = sorted(self._u3)
         dropped = sorted(v for v in self._u2 - self._u3 if self._graph[v] & self._u3)
         short = [
@@ -772,8 +1057,8 @@ class SecAggServer:
         ]
         if short:
             raise self._fail(
-                f"only {len(self._u4)} of {len(u3)} included sites revealed shares; fewer "
-                f"than t={p.t} for " + ", ".join(short)
+                f"only {len(self._u4)} of {len(self._revealers)} sites asked revealed shares; "
+                f"fewer than t={p.t} for " + ", ".join(short)
             )
         total = self._agg.array
         masks = [(shamir.combine(self._seed_shares[u]), -1) for u in u3]

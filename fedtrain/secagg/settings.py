@@ -71,6 +71,13 @@ class SecAggSettings:
     leak_probability: float = option(
         1e-9, "Target probability that colluders can unmask a site (sizing k and t)."
     )
+    consistency_check: bool = option(
+        True,
+        "Sites sign the survivor set before revealing any share and refuse when fewer than "
+        "t of a site's share holders signed the same set, so a server that lies about who "
+        "dropped out cannot unmask one site's update. Needs site certificates (off under "
+        "--insecure); adds one short stage.",
+    )
     privacy: DistributedDPSettings = section(
         DistributedDPSettings,
         "Distributed DP: each site clips its update and adds discrete Gaussian noise "
@@ -116,6 +123,7 @@ class SecAggSettings:
             corruption_rate=self.corruption_rate,
             failure_probability=self.failure_probability,
             leak_probability=self.leak_probability,
+            consistency_check=self.consistency_check,
             **(self.privacy.build().protocol_fields() if self.privacy.enabled else {}),
         )
 

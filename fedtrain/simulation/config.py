@@ -13,7 +13,7 @@ from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.strategy import Strategy, build_strategy
 
 #: SecAgg+'s stages, in the order `secagg.stage_dropouts` lists them.
-SECAGG_STAGES = ("setup", "share_keys", "masked_input", "unmask")
+SECAGG_STAGES = ("setup", "share_keys", "masked_input", "consistency", "unmask")
 
 
 @dataclass
@@ -116,12 +116,13 @@ class SecAggSimSettings(SecAggSettings):
     """The protocol's settings (as in server.toml) plus dropouts injected at its stages."""
 
     stage_dropouts: list[float] = option(
-        [0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0],
         "Fraction of each round's secure-aggregation participants that vanish at each stage "
-        "[setup, share_keys, masked_input, unmask] (seeded): before advertising keys, before "
-        "sharing them, before the masked upload, before revealing shares. Those gone by the "
-        "masked upload are left out of the sum; the round fails (model unchanged) when too "
-        "few share holders survive.",
+        "[setup, share_keys, masked_input, consistency, unmask] (seeded): before advertising "
+        "keys, before sharing them, before the masked upload, before signing the survivor "
+        "set (without the consistency check: as unmask), before revealing shares. Those gone "
+        "by the masked upload are left out of the sum; the round fails (model unchanged) "
+        "when too few share holders survive.",
     )
 
     def __post_init__(self) -> None:

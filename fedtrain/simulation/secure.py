@@ -7,7 +7,9 @@ driver (as for median or Krum), is checked like any update, flattened at once in
 float32 vector SecAgg+ masks (the update itself is then dropped), and when the round's
 clients have all reported one SecAgg+ round runs over those vectors through
 `fedtrain.secagg.updates.secure_round`: the same client and server state machines as
-the runtime, with real X25519 keys, AES-GCM-encrypted Shamir shares and AES-CTR masks.
+the runtime, with real X25519 keys, AES-GCM-encrypted Shamir shares and AES-CTR masks,
+and (``secagg.consistency_check``) the consistency stage, every client signing with an
+Ed25519 identity from a fresh in-memory PKI (where a deployment uses certificates).
 Its unmasked, dequantized sum is the `WeightedSum` the strategy finalizes.
 
 Memory: the driver holds one float32 vector per reporting client until the protocol

@@ -15,6 +15,14 @@ if HERE not in sys.path:
 
 
 @pytest.fixture
+def pki(tmp_path: Path) -> Any:
+    """A federation CA, a server certificate and site hospital-a's (runtime_support.Pki)."""
+    from runtime_support import make_pki
+
+    return make_pki(tmp_path)
+
+
+@pytest.fixture
 def stop_after() -> Iterator[list[Any]]:
     """Things a test started in this process (servers, sites, daemons): stopped at the end."""
     owned: list[Any] = []

@@ -7,6 +7,7 @@ the same task, with the same fingerprint, in every process.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import queue
@@ -15,6 +16,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +105,50 @@ class Bf16Task(TinyTask):
         return Bf16Net()
 
 
+# -- certificates ---------------------------------------------------------------------------------
+@dataclass
+class Pki:
+    """A federation CA with a server certificate (127.0.0.1, localhost) and one site's."""
+
+    ca_dir: Path
+    server_dir: Path
+    site_dir: Path
+    server_cert: Path
+    server_key: Path
+    site_cert: Path
+    site_key: Path
+
+    @property
+    def ca_cert(self) -> Path:
+        return self.ca_dir / tls.CA_CERT
+
+
+def make_pki(root: Path, site: str = "hospital-a") -> Pki:
+    ca_dir = root / "ca"
+    tls.init_ca(ca_dir)
+    server_cert, server_key = tls.issue_server(ca_dir, root / "server", ["127.0.0.1", "localhost"])
+    site_cert, site_key = tls.issue_site(ca_dir, root / site, site)
+    return Pki(ca_dir, root / "server", root / site, server_cert, server_key, site_cert, site_key)
+
+
+def issue_site_window(
+    ca_dir: Path, out_dir: Path, name: str, not_before: dt.datetime, not_after: dt.datetime
+) -> tuple[Path, Path]:
+    """A site certificate valid (whole days) from `not_before`: expired, not yet valid."""
+    days = (not_after - not_before).days
+    return tls.issue_site(ca_dir, out_dir, name, days, valid_from=not_before)
+
+
 # -- the server in this process ------------------------------------------------------------------
 #: Chunk size of in-process test servers: small, so every tensor spans several messages.
 CHUNK = 16
 
 
-def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -> AggregationServer:
-    """A started insecure server for `task` on a free port, in this process (stop it)."""
+def inprocess_server(
+    tmp_path: Path, task: Task, sites: int = 1, *, pki: Pki | None = None, **extra: Any
+) -> AggregationServer:
+    """A started server for `task` on a free port, in this process (stop it); insecure
+    unless `pki` is given (then its server certificate, and `allowed_sites`)."""
     raw = {
         "task": "runtime_support:TinyTask",
         "address": "127.0.0.1:0",
@@ -125,7 +164,15 @@ def inprocess_server(tmp_path: Path, task: Task, sites: int = 1, **extra: Any) -
         "min_available_clients": sites,
         **extra.get("strategy", {}),
     }
-    server = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task)
+    if pki is not None:
+        tls_files = {
+            "ca": str(pki.ca_cert),
+            "cert": str(pki.server_cert),
+            "key": str(pki.server_key),
+        }
+        raw["tls"] = {**tls_files, **extra.get("tls", {})}
+        raw.setdefault("allowed_sites", ["hospital-a"])
+    server = AggregationServer(from_dict(ServerConfig, raw), insecure=pki is None, task=task)
     server.start()
     return server
 
@@ -274,17 +321,26 @@ class Deployment:
         self.server_toml.write_text(dump_toml(self.server_config))
 
     # -- processes --------------------------------------------------------------------------
-    def _start(self, name: str, args: list[str]) -> None:
-        proc = self.procs.start(name, args, log_path=self.logs / f"{name}.log", env=self.env)
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        env = {**self.env, **(env or {})}
+        proc = self.procs.start(name, args, log_path=self.logs / f"{name}.log", env=env)
         self.pids.append(proc.pid)
 
-    def start_server(self, *, resume: bool = False, name: str = "server") -> None:
-        args = ["server", "--config", str(self.server_toml)]
+    def start_server(
+        self,
+        *,
+        resume: bool = False,
+        name: str = "server",
+        flags: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`fedtrain server` (with `--resume RUN_DIR`, extra `flags`, extra `env`)."""
+        args = ["server", "--config", str(self.server_toml), *flags]
         if resume:
             args += ["--resume", str(self.run_dir)]
         if not self.secure:
             args.append("--insecure")
-        self._start(name, fedtrain_command(*args))
+        self._start(name, fedtrain_command(*args), env)
 
     def site_toml(self, name: str, *, ca_dir: Path | None = None, **site: Any) -> Path:
         config: dict[str, Any] = {

@@ -30,7 +30,7 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final accuracy: 0." in out.stdout
     server_log = (tmp_path / "logs" / "server.log").read_text()
-    assert "mutual TLS" in server_log and "run" in server_log
+    assert "TLS, sites prove their certificates at join" in server_log and "run" in server_log
     # Secure aggregation is the demo's default: only masked updates reach the server.
     assert "secure aggregation on" in server_log
     assert "unmasked the sum of 4/4 sites" in server_log

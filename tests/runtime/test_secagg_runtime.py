@@ -10,6 +10,7 @@ mid-protocol.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import signal
 import threading
@@ -24,20 +25,25 @@ import torch
 from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
-from fedtrain.errors import ConfigError
+from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.privacy.distributed import DistributedDP
-from fedtrain.runtime import wire
+from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig, SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
 from fedtrain.secagg import (
+    ConsistencyRequest,
+    ConsistencySignature,
     KeysBroadcast,
     RoutedShares,
     SecAggClient,
     SecAggServer,
+    ServerMessage,
     SetupRequest,
+    UnmaskRequest,
     decode_message,
 )
 from fedtrain.secagg.quantize import Quantizer
@@ -490,6 +496,142 @@ def test_secagg_config_errors_name_the_key(tmp_path: Path) -> None:
         AggregationServer(config, insecure=True, task=TinyTask(), strategy=FedMedian())
 
 
+# -- in-process over mutual TLS: keys bound to certificates, the consistency check on ------------
+def _mtls_federation(
+    tmp_path: Path, owned: list[Any], names: tuple[str, ...], min_fit: int = 0
+) -> tuple[AggregationServer, list[SiteDaemon]]:
+    """An in-process server and daemons with certificates from one federation CA; rounds
+    count with `min_fit` sites (default: all)."""
+    ca = tmp_path / "pki" / "ca"
+    tls.init_ca(ca, days=2)
+    cert, key = tls.issue_server(ca, tmp_path / "pki" / "server", ["127.0.0.1"], days=1)
+    task = TinyTask(features=100)
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 1,
+        "round_timeout_s": 60.0,
+        "chunk_bytes": 64,
+        "client": CLIENT,
+        "secagg": SECAGG,
+        "allowed_sites": list(names),
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        "strategy": {
+            "min_fit_clients": min_fit or len(names),
+            "min_available_clients": len(names),
+        },
+        "tls": {"ca": str(ca / tls.CA_CERT), "cert": str(cert), "key": str(key)},
+    }
+    server = AggregationServer(from_dict(ServerConfig, raw), task=task)
+    server.start()
+    owned.append(server)
+    daemons = []
+    for i, name in enumerate(names):
+        site_cert, site_key = tls.issue_site(ca, tmp_path / "pki" / name, name, days=1)
+        config = {
+            "task": "runtime_support:TinyTask",
+            "server": f"127.0.0.1:{server.port}",
+            "data": {"kind": "quantity", "partition": i, "num_partitions": 3, "seed": 1},
+            "reconnect": {"min_s": 0.1, "max_s": 0.5},
+            "require_secagg": True,
+            "tls": {"ca": str(ca / tls.CA_CERT), "cert": str(site_cert), "key": str(site_key)},
+        }
+        daemon = SiteDaemon(from_dict(SiteConfig, config), task=task)
+        thread = threading.Thread(target=daemon.run, daemon=True)
+        thread.start()
+        owned.append((daemon, thread))
+        daemons.append(daemon)
+    return server, daemons
+
+
+def test_over_mtls_sites_sign_the_survivor_set_before_unmasking(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any]
+) -> None:
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"))
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    stages = [
+        r["stage"]
+        for r in read_audit(server.run_dir.path / "audit.jsonl")
+        if r["event"] == "secagg_stage"
+    ]
+    assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
+
+
+def test_over_mtls_a_site_lost_before_signing_stays_in_the_sum(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Site c fails just as it is asked to sign the survivor set: its masked input is in,
+    so the others (2 of 3 holders, t = 2) remove its masks and the round completes."""
+    sign = SecAggClient._consistency
+
+    def flaky(self: SecAggClient, msg: ConsistencyRequest) -> Any:
+        if self.site == 3:
+            raise SecAggError("site 3: lost before signing (test)")
+        return sign(self, msg)
+
+    monkeypatch.setattr(SecAggClient, "_consistency", flaky)
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
+    assert server.wait(90), "the secure round did not finish"
+    assert server.coordinator.error is None
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    missing = {r["stage"]: r["missing"] for r in audit if r["event"] == "secagg_stage"}
+    assert missing == {
+        "SETUP": [],
+        "SHARE_KEYS": [],
+        "MASKED_INPUT": [],
+        "CONSISTENCY": ["c"],
+        "UNMASK": [],
+    }
+    bound = result.quantizer.mean_error_bound(3, result.total_weight)
+    mean = _expected_mean(spy["inputs"], SECAGG["clip"])
+    assert np.abs(result.weighted_mean() - mean).max() <= bound
+
+
+def test_over_mtls_a_site_told_another_survivor_set_refuses_to_unmask(
+    tmp_path: Path, owned: list[Any], spy: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server lies to site c (id 3) through the real stage messages: site a dropped
+    (to c alone), so c should reveal a's mask key. c refuses: only c signed that set."""
+    send = SecureRoundState._send
+
+    def lying_send(self: SecureRoundState, messages: dict[int, ServerMessage]) -> None:
+        msg = messages.get(3)
+        if isinstance(msg, ConsistencyRequest):
+            messages = {**messages, 3: dataclasses.replace(msg, survivors=(2, 3))}
+        elif isinstance(msg, UnmaskRequest):
+            lie = dataclasses.replace(msg, survivors=(2, 3), dropped=(1,))
+            messages = {**messages, 3: lie}
+        send(self, messages)
+
+    def unchecked(self: SecAggServer, msg: ConsistencySignature) -> None:
+        self._signatures[msg.site] = msg.signature  # a liar does not check what it caused
+
+    monkeypatch.setattr(SecureRoundState, "_send", lying_send)
+    monkeypatch.setattr(SecAggServer, "_receive_signature", unchecked)
+    # Rounds count with 2 sites, so c may sign a 2-site set; its refusal comes later.
+    server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
+    assert server.wait(90), "the secure round did not finish"
+    audit = read_audit(server.run_dir.path / "audit.jsonl")
+    (refusal,) = [r for r in audit if r["event"] == "site_error"]
+    assert refusal["site"] == "c"
+    assert (
+        "only 1 of site 1's 3 share holders signed the survivor set I signed"
+        in (refusal["message"])
+    )
+    # a and b, told the truth, unmask the honest sum: a's mask key never left a holder.
+    (result,) = spy["results"]
+    assert result.included == (1, 2, 3)
+    inputs = spy["inputs"]
+    bound = result.quantizer.mean_error_bound(3, result.total_weight)
+    assert np.abs(result.weighted_mean() - _expected_mean(inputs, SECAGG["clip"])).max() <= bound
+
+
 # -- real processes -------------------------------------------------------------------------------
 def _model(dep: Deployment) -> ModelState:
     return ModelState(torch.load(dep.run_dir / "model.pt", weights_only=True))
@@ -548,7 +690,10 @@ def test_mtls_secure_round_matches_the_plain_round_within_the_bound(tmp_path: Pa
         uploads = dep.audit("upload")
         assert len(uploads) == 3 and all(r["masked"] is secure for r in uploads)
     assert "secure aggregation on" in deps[True].log("server")
-    assert "mutual TLS" in deps[True].log("server")
+    assert "TLS, sites prove their certificates at join" in deps[True].log("server")
+    assert "consistency check on" in deps[True].log("server")
+    stages = [r["stage"] for r in deps[True].audit("secagg_stage")]
+    assert stages == ["SETUP", "SHARE_KEYS", "MASKED_INPUT", "CONSISTENCY", "UNMASK"]
     assert all(r["num_examples"] == 0 for r in deps[True].audit("upload"))  # weights masked
     # Same sites, same data, same initial model: one round differs only by quantization.
     # Bound (fedtrain.secagg.quantize): n * step / total weight, step = 2 clip max_weight / L.

@@ -31,6 +31,7 @@ from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
+from fedtrain.runtime.status import fetch_status
 from fedtrain.strategy import WeightedSum
 from fedtrain.strategy.aggregate import apply_mean_delta
 from fedtrain.task import task_fingerprint
@@ -257,6 +258,6 @@ def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop
     assert "task fingerprint mismatch" in str(info.value)
     assert task_fingerprint(task) in str(info.value)
 
-    status = quiet.stub.Status(pb.Empty(), timeout=5)
+    status = fetch_status(f"127.0.0.1:{server.port}", None, timeout_s=5)
     assert status.run_id == server.coordinator.run_id
     assert status.total_rounds == 3 and not status.finished

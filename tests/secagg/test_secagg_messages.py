@@ -10,6 +10,8 @@ import pytest
 from fedtrain.errors import SecAggError
 from fedtrain.secagg import (
     AdvertiseKeys,
+    ConsistencyRequest,
+    ConsistencySignature,
     KeysBroadcast,
     MaskedInput,
     RoundParams,
@@ -43,14 +45,28 @@ MESSAGES = [
             PARAMS, dp_noise_multiplier=1.1, dp_clip_norm=0.75, dp_min_survivors=2**32 - 2
         ),
     ),
+    SetupRequest(7, dataclasses.replace(PARAMS, consistency_check=True)),
     AdvertiseKeys(5, 7, b"e" * 32, b"m" * 32),
-    KeysBroadcast(5, 7, (1, 2, 7), (AdvertiseKeys(5, 1, b"a" * 32, b"b" * 32),)),
+    AdvertiseKeys(5, 7, b"e" * 32, b"m" * 32, b"certificate", b"s" * 64),
+    KeysBroadcast(5, 7, (1, 2, 7), (AdvertiseKeys(5, 1, b"a" * 32, b"b" * 32, b"c", b"s"),)),
     KeysBroadcast(5, 7, (7,), ()),
     ShareKeys(5, 7, ((1, b"ct1"), (2, b""))),
     RoutedShares(5, 7, ((1, b"\x00" * 200),)),
     MaskedInput(5, 7, np.arange(10, dtype=np.uint32) * 0x1FFFFFFF),
     MaskedInput(5, 7, np.zeros(0, dtype=np.uint32)),
+    ConsistencyRequest(5, 7, (1, 2, 7)),
+    ConsistencySignature(5, 7, b"s" * 64),
+    ConsistencySignature(5, 7, b"s" * 64, ((1, b"m" * 32), (2, b"n" * 32))),
     UnmaskRequest(5, 7, (1, 7), (2,)),
+    UnmaskRequest(
+        5,
+        7,
+        (1, 7),
+        (2,),
+        ((1, b"s" * 64), (7, b"t" * 64)),
+        (AdvertiseKeys(5, 9, b"a", b"b"),),
+        ((1, b"m" * 32),),
+    ),
     UnmaskShares(5, 7, ((1, b"s1"), (7, b"s7")), ((2, b"k2"),)),
 ]
 
@@ -64,6 +80,13 @@ def test_round_trip(msg: object) -> None:
         decode_message(data[:-1] if len(data) > 4 else data[:3])
     with pytest.raises(SecAggError, match="trailing"):
         type(msg).from_bytes(data + b"\x00")
+
+
+def test_a_flag_is_zero_or_one() -> None:
+    data = bytearray(SetupRequest(7, PARAMS).to_bytes())
+    data[-1] = 2  # consistency_check, the last field
+    with pytest.raises(SecAggError, match="consistency_check must be 0 or 1"):
+        SetupRequest.from_bytes(bytes(data))
 
 
 def test_masked_input_is_zero_copy() -> None:
@@ -85,5 +108,7 @@ def test_wrong_type_and_garbage_are_refused() -> None:
         decode_message(data[:3] + b"\x63" + data[4:])
     with pytest.raises(SecAggError, match="version"):
         decode_message(data[:2] + b"\x09" + data[3:])
+    with pytest.raises(SecAggError, match="unsupported message version 1"):  # before signing
+        decode_message(data[:2] + b"\x01" + data[3:])
     with pytest.raises(SecAggError, match="not a secure-aggregation"):
         decode_message(b"\x80\x04garbage")  # e.g. a pickle

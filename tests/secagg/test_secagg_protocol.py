@@ -9,6 +9,7 @@ import pytest
 
 from fedtrain.errors import SecAggError
 from fedtrain.secagg import (
+    InMemoryPKI,
     KeysBroadcast,
     MaskedInput,
     RoutedShares,
@@ -75,15 +76,21 @@ def _check_result(
     assert np.all(np.abs(result.weighted_mean() - float_mean) < bound)
 
 
-CASES = [(n, None, 0) for n in K_FOR_N] + [
-    (n, stage, count) for n in K_FOR_N for stage in range(4) for count in ("one", "30%")
+CASES = [(n, None, 0, True) for n in K_FOR_N] + [
+    (n, stage, count, check)  # without the consistency check: the n=10 rounds once more
+    for n in K_FOR_N
+    for stage in range(5)
+    for count in ("one", "30%")
+    for check in ((True, False) if n == 10 else (True,))
 ]
 
 
-@pytest.mark.parametrize(("n", "stage", "count"), CASES)
-def test_exact_sum_under_dropouts(n: int, stage: int | None, count: object) -> None:
+@pytest.mark.parametrize(("n", "stage", "count", "check"), CASES)
+def test_exact_sum_under_dropouts(n: int, stage: int | None, count: object, check: bool) -> None:
     xs, ws = _inputs(n, seed=n)
-    config = SecAggConfig(clip=1.0, max_clients=64, max_weight=500.0, k=K_FOR_N[n])
+    config = SecAggConfig(
+        clip=1.0, max_clients=64, max_weight=500.0, k=K_FOR_N[n], consistency_check=check
+    )
     k_drop = {0: 0, "one": 1, "30%": round(0.3 * n)}[count]  # type: ignore[index]
     rng = np.random.default_rng(1000 + n + 10 * (stage or 0))
     dropped = set(rng.choice(sorted(xs), size=k_drop, replace=False).tolist())
@@ -98,8 +105,8 @@ def test_exact_sum_under_dropouts(n: int, stage: int | None, count: object) -> N
         graph_seed=GRAPH_SEED,
         through_bytes=(n == 10),
     )
-    # A site that vanishes after sending its masked input (stage 3) is still included.
-    _check_result(result, config, xs, ws, 7, dropped if stage != 3 else set())
+    # A site that vanishes after sending its masked input (stages 3, 4) is still included.
+    _check_result(result, config, xs, ws, 7, dropped if stage is None or stage < 3 else set())
 
 
 def test_auto_degree_and_chunked_streaming_with_a_broken_upload() -> None:
@@ -123,9 +130,11 @@ def test_too_many_dropouts_raise_a_clear_error() -> None:
     config = SecAggConfig(max_clients=64, max_weight=500.0, k=4)  # 5 holders, t = 3
     sites = sorted(xs)
     nbrs = sorted(neighbour_graph(sites, 4, GRAPH_SEED)[sites[0]])
-    # Three of site 0's four neighbours vanish before unmasking: its seed is lost.
-    with pytest.raises(SecAggError, match=rf"fewer than t=3 .*site {sites[0]}\b"):
-        run_in_memory(xs, ws, config, {3: nbrs[:3]}, rng=1, graph_seed=GRAPH_SEED)
+    # Three of site 0's four neighbours vanish before signing the survivor set, or before
+    # unmasking: its seed is lost.
+    for stage in (3, 4):
+        with pytest.raises(SecAggError, match=rf"fewer than t=3 .*site {sites[0]}\b"):
+            run_in_memory(xs, ws, config, {stage: nbrs[:3]}, rng=1, graph_seed=GRAPH_SEED)
     # ... or before sending masked inputs, with site 0 too: its mask key is lost.
     with pytest.raises(SecAggError, match="too many dropouts"):
         run_in_memory(xs, ws, config, {2: [sites[0], *nbrs[:3]]}, rng=1, graph_seed=GRAPH_SEED)
@@ -140,8 +149,14 @@ def test_too_many_dropouts_raise_a_clear_error() -> None:
 def _round(n: int = 6, k: int = 4, t: int | None = None) -> tuple[SecAggServer, dict]:
     config = SecAggConfig(max_clients=16, max_weight=100.0, k=k, t=t)
     sites = list(range(1, n + 1))
-    server = SecAggServer.from_config(config, 5, sites, 50, GRAPH_SEED)
-    clients = {s: SecAggClient(s, rng=np.random.default_rng(s)) for s in sites}
+    pki = InMemoryPKI()
+    server = SecAggServer.from_config(config, 5, sites, 50, GRAPH_SEED, verifier=pki)
+    clients = {
+        s: SecAggClient(
+            s, rng=np.random.default_rng(s), identity=pki.enrol(f"site-{s}"), verifier=pki
+        )
+        for s in sites
+    }
     for s, c in clients.items():
         c.set_input(np.full(50, 0.1 * s), 10.0)
     return server, clients
@@ -156,7 +171,7 @@ def _step(server: SecAggServer, clients: dict, outgoing: dict) -> dict:
 def _to_unmask(n: int = 6, k: int = 4) -> tuple[SecAggServer, dict, dict]:
     server, clients = _round(n, k)
     out = server.start()
-    for _ in range(3):
+    for _ in range(4):
         out = _step(server, clients, out)
     assert server.stage == Stage.UNMASK
     return server, clients, out
@@ -270,6 +285,8 @@ def test_server_rejects_bad_messages_without_losing_state() -> None:
     for msg in masked.values():
         server.receive(msg)
     out = server.advance()
+    assert server.stage == Stage.CONSISTENCY
+    out = _step(server, clients, out)
     for s, msg in out.items():
         server.receive(clients[s].handle(msg))
     result = server.finish()
@@ -282,7 +299,7 @@ def test_masked_vector_alone_is_uniform() -> None:
     # A constant update (zeros) encodes to one value repeated; masked, it must look
     # like uniform bytes and bits. Chi-square with a loose threshold and fixed seeds.
     n, m = 4, 20_000
-    config = SecAggConfig(max_clients=8, max_weight=10.0, k=2)
+    config = SecAggConfig(max_clients=8, max_weight=10.0, k=2, consistency_check=False)
     server = SecAggServer.from_config(config, 1, range(1, n + 1), m, GRAPH_SEED)
     clients = {s: SecAggClient(s, rng=np.random.default_rng(s)) for s in range(1, n + 1)}
     for c in clients.values():

@@ -59,7 +59,7 @@ def test_a_round_too_small_to_count_is_never_unmasked(make_config, monkeypatch):
     config = make_config(
         rounds=1,
         strategy={"fraction_fit": 0.5, "min_fit_clients": 20, "min_available_clients": 20},
-        secagg=secagg(stage_dropouts=[0.0, 0.0, 0.2, 0.0]),
+        secagg=secagg(stage_dropouts=[0.0, 0.0, 0.2, 0.0, 0.0]),
     )
     record = run_simulation(config).history[0]
     assert record["secagg_dropped_masked_input"] == 4
@@ -69,15 +69,13 @@ def test_a_round_too_small_to_count_is_never_unmasked(make_config, monkeypatch):
 
 
 def test_dropouts_at_every_stage_still_complete_rounds(make_config):
-    rates = [0.1, 0.1, 0.1, 0.1]
+    rates = [0.1, 0.1, 0.1, 0.05, 0.05]  # t = 11 of the 20: 12 reveal
     result = run_simulation(make_config(secagg=secagg(stage_dropouts=rates)))
     for record in result.history:
         assert record["secagg_sites"] == 20
-        dropped = [
-            record[f"secagg_dropped_{s}"] for s in ("setup", "share_keys", "masked_input", "unmask")
-        ]
-        assert dropped == [2, 2, 2, 2]
-        # gone before the masked upload: left out; gone at unmasking: still in the sum
+        stages = ("setup", "share_keys", "masked_input", "consistency", "unmask")
+        assert [record[f"secagg_dropped_{s}"] for s in stages] == [2, 2, 2, 1, 1]
+        # gone before the masked upload: left out; gone later: still in the sum
         assert record["secagg_included"] == record["reported"] == 14
         assert record["aggregated"] and "secagg_error" not in record
     accuracies = [r["accuracy"] for r in result.history]
@@ -85,7 +83,7 @@ def test_dropouts_at_every_stage_still_complete_rounds(make_config):
 
 
 def test_too_many_dropouts_fail_the_round_and_keep_the_model(make_config):
-    config = make_config(rounds=1, secagg=secagg(stage_dropouts=[0.0, 0.0, 0.9, 0.0]))
+    config = make_config(rounds=1, secagg=secagg(stage_dropouts=[0.0, 0.0, 0.9, 0.0, 0.0]))
     result = run_simulation(config)
     record = result.history[0]
     assert record["secagg_included"] == record["reported"] == 0
@@ -115,7 +113,7 @@ def test_strategies_that_need_every_update_are_refused_with_the_reason(make_conf
 def test_secagg_config_errors_name_the_key(make_config):
     with pytest.raises(ConfigError, match="min_fit_clients = 1: secure aggregation needs"):
         make_config(secagg=True, strategy={"min_fit_clients": 1, "min_available_clients": 1})
-    with pytest.raises(ConfigError, match=r"secagg.stage_dropouts = \[0.5\] should list 4"):
+    with pytest.raises(ConfigError, match=r"secagg.stage_dropouts = \[0.5\] should list 5"):
         make_config(secagg={"enabled": True, "stage_dropouts": [0.5]})
     with pytest.raises(ConfigError, match=r"20 clients train per round .* secagg.max_clients = 10"):
         run_simulation(make_config(secagg=secagg(max_clients=10)))
@@ -126,7 +124,7 @@ def test_process_backend_gives_the_inline_result_bit_for_bit(make_config):
     uneven = {
         "partition": {"kind": "quantity", "alpha": 1.0},
         "heterogeneity": {"dropout_rate": 0.2},
-        "secagg": secagg(stage_dropouts=[0.05, 0.05, 0.1, 0.05]),
+        "secagg": secagg(stage_dropouts=[0.05, 0.05, 0.1, 0.05, 0.05]),
         "rounds": 2,
     }
     inline = run_simulation(make_config("inline", backend="inline", **uneven))
@@ -143,7 +141,7 @@ def test_process_backend_gives_the_inline_result_bit_for_bit(make_config):
 def test_the_example_config_runs_secure_rounds(tmp_path):
     raw = load_toml(ROOT / "simulations/digits_secagg.toml")
     config = from_dict(SimConfig, {**raw, "rounds": 1, "run_dir": str(tmp_path)})
-    assert config.secagg.enabled and config.secagg.stage_dropouts == [0.0, 0.0, 0.1, 0.1]
+    assert config.secagg.enabled and config.secagg.stage_dropouts == [0.0, 0.0, 0.1, 0.0, 0.1]
     record = run_simulation(config).history[0]
     assert record["aggregated"] and record["secagg_sites"] == 10
     assert record["secagg_included"] == 9 and record["secagg_clipped"] == 0

@@ -49,10 +49,10 @@ class FedtrainStub:
                 request_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.UpdateChunk.SerializeToString,
                 response_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.UploadReceipt.FromString,
                 _registered_method=True)
-        self.Status = channel.unary_unary(
+        self.Status = channel.stream_stream(
                 '/fedtrain.v1.Fedtrain/Status',
-                request_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.SerializeToString,
-                response_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.FromString,
+                request_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.SerializeToString,
+                response_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusMessage.FromString,
                 _registered_method=True)
 
 
@@ -60,7 +60,8 @@ class FedtrainServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Control(self, request_iterator, context):
-        """One stream per site for the whole session. The first SiteMessage must be a Join;
+        """One stream per site for the whole session. With TLS the server first sends a
+        Challenge; the first SiteMessage must be a Join (with TLS, carrying the Proof);
         the server answers Welcome or Reject, then pushes Instructions as rounds start.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -81,8 +82,10 @@ class FedtrainServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Status(self, request, context):
-        """Where the run stands (for `fedtrain status` and monitoring).
+    def Status(self, request_iterator, context):
+        """Where the run stands (for `fedtrain status` and monitoring). With TLS the server
+        first sends a Challenge and the caller answers with a StatusRequest carrying the
+        Proof; without TLS the caller sends an empty StatusRequest at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,10 +109,10 @@ def add_FedtrainServicer_to_server(servicer, server):
                     request_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.UpdateChunk.FromString,
                     response_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.UploadReceipt.SerializeToString,
             ),
-            'Status': grpc.unary_unary_rpc_method_handler(
+            'Status': grpc.stream_stream_rpc_method_handler(
                     servicer.Status,
-                    request_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.FromString,
-                    response_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.SerializeToString,
+                    request_deserializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.FromString,
+                    response_serializer=fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -204,7 +207,7 @@ class Fedtrain:
             _registered_method=True)
 
     @staticmethod
-    def Status(request,
+    def Status(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -214,12 +217,12 @@ class Fedtrain:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/fedtrain.v1.Fedtrain/Status',
-            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.Empty.SerializeToString,
-            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusReply.FromString,
+            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusRequest.SerializeToString,
+            fedtrain_dot_runtime_dot_proto_dot_fedtrain__pb2.StatusMessage.FromString,
             options,
             channel_credentials,
             insecure,

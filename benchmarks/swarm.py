@@ -1,0 +1,523 @@
+"""A site swarm: thousands of sites impersonated through the real protocol.
+
+One real `fedtrain server` process; a few swarm processes each hold many sites on one
+asyncio loop (`grpc.aio`, one channel and so one TCP connection per site, as real
+sites have). Every site joins on its control stream, sends heartbeats at the interval
+the server asks for, and when instructed downloads the global model and uploads a
+known delta (a constant value per site, in the project's own chunk encoding) with a
+known weight. After the run the benchmark rebuilds the expected model from the
+uploads the server acknowledged (FedAvg: the weighted mean of the deltas, per round)
+and compares it with the server's `model.pt`, so the figures come with a check of the
+aggregate.
+
+Measured per swarm size: sites joined and joins refused, round times, the server's
+CPU per round and per site per round, its threads (idle and peak), peak RSS, its CPU
+while all sites but one are connected and no round runs (idle), and how long
+`Status` takes to answer during rounds.
+
+    python -m benchmarks.swarm --sites 100,1000 --rounds 10 --fraction-fit 0.1
+    python -m benchmarks.swarm --sites 3000 --server-option max_workers=8000
+
+Only 127.0.0.1; every process the benchmark starts is stopped at the end. A swarm of
+N sites needs about N file descriptors in the server and in the swarm processes
+together (`ulimit -n`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import psutil
+import torch
+
+from fedtrain.runtime import wire
+from fedtrain.runtime.audit import read_audit
+from fedtrain.runtime.demo import dump_toml, free_port
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.status import ServerUnreachable, fetch_status
+from fedtrain.tensors import ModelState
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = "benchmarks.flat_task:FlatTask"
+MESSAGE_BYTES = 16 << 20
+#: A site that was refused (e.g. "at capacity") tries again after this long, as a
+#: daemon's reconnect back-off would (min_s..max_s, doubling).
+RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+
+
+def site_value(index: int) -> float:
+    """The delta site `index` adds to every parameter (13 distinct values)."""
+    return ((index % 13) - 6) * 1e-4
+
+
+def site_weight(index: int) -> int:
+    """The example count site `index` declares (10 distinct weights)."""
+    return 1 + index % 10
+
+
+def site_name(index: int) -> str:
+    return f"swarm-{index:05d}"
+
+
+# -- one site ------------------------------------------------------------------------------
+@dataclass
+class SiteStats:
+    """What the sites of one swarm process saw (sent back to the benchmark)."""
+
+    joined: int = 0
+    refused: int = 0
+    broken: int = 0
+    uploads: list[tuple[int, int]] = field(default_factory=list)  # (round, site index)
+    upload_errors: list[str] = field(default_factory=list)
+
+
+class SwarmSite:
+    """One impersonated site: join, heartbeat, download, upload a known delta."""
+
+    def __init__(
+        self, index: int, address: str, stats: SiteStats, uploads: dict[int, list[Any]]
+    ) -> None:
+        self.index = index
+        self.name = site_name(index)
+        self.address = address
+        self.stats = stats
+        self._uploads = uploads  # value index -> encoded chunk messages (shared cache)
+        self.joined = asyncio.Event()
+
+    async def run(self, fingerprint: str, stop: asyncio.Event) -> None:
+        delay = RETRY_MIN_S
+        async with grpc.aio.insecure_channel(
+            self.address, options=wire.channel_options(MESSAGE_BYTES)
+        ) as channel:
+            stub = pb_grpc.FedtrainStub(channel)
+            while not stop.is_set():
+                outcome = await self._session(stub, fingerprint, stop)
+                if outcome == "done":
+                    return
+                if outcome == "refused":
+                    await asyncio.sleep(delay * (0.5 + np.random.random()))
+                    delay = min(RETRY_MAX_S, delay * 2)
+                else:
+                    await asyncio.sleep(RETRY_MIN_S)
+
+    async def _session(self, stub: pb_grpc.FedtrainStub, fingerprint: str, stop: Any) -> str:
+        call = stub.Control()
+        join = pb.Join(
+            site_name=self.name,
+            task_fingerprint=fingerprint,
+            protocol_version=wire.PROTOCOL_VERSION,
+        )
+        tasks: list[asyncio.Task[Any]] = []
+        try:
+            await call.write(pb.SiteMessage(join=join))
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
+                self.stats.refused += 1
+                return "refused"
+            welcome = first.welcome
+            self.stats.joined += 1
+            self.joined.set()
+            tasks.append(asyncio.create_task(self._heartbeats(call, welcome.heartbeat_interval_s)))
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    self.stats.broken += 1
+                    return "broken"
+                kind = message.WhichOneof("kind")
+                if kind == "shutdown":
+                    return "done"
+                if kind == "instruction":
+                    tasks.append(
+                        asyncio.create_task(self._train(stub, welcome, message.instruction))
+                    )
+        except grpc.aio.AioRpcError:
+            if stop.is_set():
+                return "done"
+            self.stats.broken += 1
+            return "broken"
+        finally:
+            for task in tasks:
+                task.cancel()
+            call.cancel()
+
+    async def _heartbeats(self, call: Any, interval_s: float) -> None:
+        sequence = 0
+        while True:
+            await asyncio.sleep(interval_s)
+            sequence += 1
+            await call.write(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=sequence)))
+
+    async def _train(
+        self, stub: pb_grpc.FedtrainStub, welcome: pb.Welcome, instruction: pb.Instruction
+    ) -> None:
+        token = welcome.session_token
+        try:
+            specs = []
+            async for piece in stub.DownloadModel(
+                pb.ModelRequest(version=instruction.model_version, session_token=token)
+            ):
+                if piece.WhichOneof("kind") == "manifest":
+                    specs = [wire.spec_from_proto(s) for s in piece.manifest.specs]
+            header = pb.UpdateChunk(
+                header=pb.UploadHeader(
+                    round=instruction.round,
+                    session_token=token,
+                    num_examples=site_weight(self.index),
+                    model_version=instruction.model_version,
+                )
+            )
+            chunks = self._chunks(specs, welcome.chunk_bytes)
+            await stub.UploadUpdate(iter([header, *chunks]))
+            self.stats.uploads.append((instruction.round, self.index))
+        except grpc.aio.AioRpcError as exc:
+            self.stats.upload_errors.append(
+                f"{self.name} round {instruction.round}: {exc.details()}"
+            )
+
+    def _chunks(self, specs: Sequence[Any], chunk_bytes: int) -> list[pb.UpdateChunk]:
+        key = self.index % 13
+        if key not in self._uploads:
+            value = site_value(self.index)
+            state = ModelState(
+                {s.name: torch.full(s.shape, value, dtype=torch.float32) for s in specs}
+            )
+            self._uploads[key] = [
+                pb.UpdateChunk(chunk=wire.chunk_to_proto(c)) for c in state.chunks(chunk_bytes)
+            ]
+        return self._uploads[key]
+
+
+# -- a swarm process ------------------------------------------------------------------------
+def swarm_process(conn: Connection, address: str, fingerprint: str, indices: list[int]) -> None:
+    """Hold the sites `indices`; join the first `n` when told ("join", n); report ("stats")."""
+    asyncio.run(_swarm(conn, address, fingerprint, indices))
+
+
+async def _swarm(conn: Connection, address: str, fingerprint: str, indices: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    stats = SiteStats()
+    stop = asyncio.Event()
+    cache: dict[int, list[Any]] = {}
+    sites = [SwarmSite(i, address, stats, cache) for i in indices]
+    tasks: list[asyncio.Task[None]] = []
+    started = 0
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command[0] == "join":
+            for site in sites[started : command[1]]:
+                tasks.append(asyncio.create_task(site.run(fingerprint, stop)))
+                started += 1
+                if started % 100 == 0:
+                    await asyncio.sleep(0.05)  # a ramp, not one burst of thousands of joins
+            conn.send(("ok",))
+        elif command[0] == "joined":
+            conn.send(("joined", stats.joined))
+        elif command[0] == "stop":
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            conn.send(("stats", asdict(stats)))
+            return
+
+
+# -- the benchmark --------------------------------------------------------------------------
+@dataclass
+class SwarmRun:
+    sites: int
+    joined: int = 0
+    refused_joins: int = 0
+    rounds_done: int = 0
+    round_seconds: list[float] = field(default_factory=list)
+    server_cpu_per_round_s: float | None = None
+    threads_idle: int = 0
+    threads_peak: int = 0
+    rss_peak_mb: float = 0.0
+    idle_cpu_pct: float | None = None
+    status_max_s: float | None = None
+    dropped: int = 0
+    upload_errors: int = 0
+    aggregate_max_error: float | None = None
+    chosen_per_round: int = 0
+    note: str = ""
+
+    def row(self) -> str:
+        rounds = self.round_seconds
+        times = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+        cpu = self.server_cpu_per_round_s
+        per_site = f"{1000 * cpu / max(1, self.chosen_per_round):.2f}" if cpu else "-"
+        return (
+            f"| {self.sites} | {self.joined} | {self.refused_joins} | {self.rounds_done} | {times} "
+            f"| {cpu if cpu is None else round(cpu, 2)} | {per_site} | {self.threads_idle} / "
+            f"{self.threads_peak} | {self.rss_peak_mb:.0f} | {_pct(self.idle_cpu_pct)} | "
+            f"{_secs(self.status_max_s)} | {self.dropped} | {_err(self.aggregate_max_error)} "
+            f"| {self.note} |"
+        )
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}%"
+
+
+def _secs(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _err(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
+HEADER = (
+    "| sites | joined | joins refused | rounds | round s (min-max) | server CPU s/round | "
+    "server CPU ms/site/round | threads idle / peak | RSS peak MB | idle CPU (one core) | "
+    "Status max s | dropped | aggregate max error | note |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def run_swarm(
+    sites: int,
+    *,
+    rounds: int,
+    fraction_fit: float,
+    params: int,
+    processes: int,
+    idle_s: float,
+    timeout_s: float,
+    server_options: dict[str, Any],
+    workdir: Path,
+) -> SwarmRun:
+    result = SwarmRun(sites)
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    run_dir = workdir / "run"
+    config = {
+        "task": TASK,
+        "task_options": {"num_params": params},
+        "address": address,
+        "run_dir": str(run_dir),
+        "rounds": rounds,
+        **server_options,
+        "strategy": {
+            "fraction_fit": fraction_fit,
+            "min_available_clients": sites,
+            **server_options.get("strategy", {}),
+        },
+    }
+    (workdir / "server.toml").write_text(dump_toml(config))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = (workdir / "server.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fedtrain.cli", "server", "--insecure", "--config",
+         str(workdir / "server.toml")],
+        stdout=log, stderr=log, env=env, start_new_session=True,
+    )  # fmt: skip
+    ctx = mp.get_context("spawn")
+    pipes: list[Connection] = []
+    workers = []
+    try:
+        proc = psutil.Process(server.pid)
+        fingerprint = _wait_ready(address, server, params, timeout_s=60)
+        shares = np.array_split(np.arange(sites), processes)
+        for share in shares:
+            parent, child = ctx.Pipe()
+            worker = ctx.Process(
+                target=swarm_process,
+                args=(child, address, fingerprint, [int(i) for i in share]),
+                daemon=True,
+            )
+            worker.start()
+            pipes.append(parent)
+            workers.append(worker)
+        # Every site but the last joins; the server waits for all of them to start.
+        for pipe, share in zip(pipes, shares, strict=True):
+            pipe.send(("join", len(share) - (1 if share is shares[-1] else 0)))
+        for pipe in pipes:
+            pipe.recv()
+        deadline = time.monotonic() + timeout_s
+        want = sites - 1
+        while time.monotonic() < deadline and _joined(pipes) < want:
+            time.sleep(1.0)
+        result.threads_idle = proc.num_threads()
+        cpu0 = sum(proc.cpu_times()[:2])
+        time.sleep(idle_s)
+        result.idle_cpu_pct = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / idle_s
+        pipes[-1].send(("join", len(shares[-1])))
+        pipes[-1].recv()
+        cpu_start = cpu_last = sum(proc.cpu_times()[:2])
+        status_times: list[float] = []
+        peak_rss = 0
+        last_status = 0.0
+        while server.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                result.threads_peak = max(result.threads_peak, proc.num_threads())
+                peak_rss = max(peak_rss, proc.memory_info().rss)
+                cpu_last = sum(proc.cpu_times()[:2])
+            if time.monotonic() - last_status > 1.0:
+                last_status = time.monotonic()
+                with contextlib.suppress(ServerUnreachable):  # the run may have just ended
+                    status_times.append(_status_seconds(address))
+            time.sleep(0.25)
+        if server.poll() is None:
+            result.note = f"timed out after {timeout_s:.0f}s"
+        result.rss_peak_mb = peak_rss / 2**20
+        result.status_max_s = max(status_times) if status_times else None
+        metrics = _read_jsonl(run_dir / "metrics.jsonl")
+        result.rounds_done = len(metrics)
+        result.round_seconds = [float(m["seconds"]) for m in metrics]
+        result.dropped = sum(len(m.get("dropped", [])) for m in metrics)
+        if metrics:
+            result.chosen_per_round = int(np.mean([m["selected"] for m in metrics]))
+        if metrics:
+            result.server_cpu_per_round_s = (cpu_last - cpu_start) / len(metrics)
+    finally:
+        stats = _stop(pipes, workers)
+        _stop_server(server)
+        log.close()
+    audit = read_audit(run_dir / "audit.jsonl")
+    result.joined = len({r["site"] for r in audit if r["event"] == "join"})
+    result.refused_joins = sum(1 for r in audit if r["event"] == "join_refused")
+    result.upload_errors = sum(len(s["upload_errors"]) for s in stats)
+    if (run_dir / "model.pt").exists():
+        result.aggregate_max_error = _aggregate_error(run_dir / "model.pt", audit, params)
+    return result
+
+
+def _wait_ready(
+    address: str, server: subprocess.Popen[bytes], params: int, timeout_s: float
+) -> str:
+    """The server's task fingerprint, once it answers Status."""
+    from fedtrain.task import load_task, task_fingerprint
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        with contextlib.suppress(ServerUnreachable):
+            _status_seconds(address)
+            break
+        time.sleep(0.2)
+    return task_fingerprint(load_task(TASK, {"num_params": params}))
+
+
+def _status_seconds(address: str) -> float:
+    start = time.perf_counter()
+    fetch_status(address, None, timeout_s=60)
+    return time.perf_counter() - start
+
+
+def _joined(pipes: Iterable[Connection]) -> int:
+    total = 0
+    for pipe in pipes:
+        pipe.send(("joined",))
+        total += pipe.recv()[1]
+    return total
+
+
+def _stop(pipes: list[Connection], workers: list[Any]) -> list[dict[str, Any]]:
+    stats = []
+    for pipe in pipes:
+        with contextlib.suppress(OSError, EOFError):
+            pipe.send(("stop",))
+    for pipe in pipes:
+        with contextlib.suppress(OSError, EOFError):
+            if pipe.poll(60):
+                stats.append(pipe.recv()[1])
+    for worker in workers:
+        worker.join(10)
+        if worker.is_alive():
+            worker.kill()
+    return stats
+
+
+def _stop_server(server: subprocess.Popen[bytes]) -> None:
+    if server.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _aggregate_error(model_path: Path, audit: list[dict[str, Any]], params: int) -> float:
+    """Largest difference between the server's final model and FedAvg over the uploads
+    it acknowledged, recomputed here in float64 (each value a constant per site)."""
+    expected = 0.0
+    for server_round in sorted({r["round"] for r in audit if r["event"] == "upload"}):
+        ups = [r for r in audit if r["event"] == "upload" and r["round"] == server_round]
+        weights = np.array([r["num_examples"] for r in ups], dtype=np.float64)
+        values = np.array([site_value(int(r["site"].split("-")[1])) for r in ups])
+        expected += float((weights * values).sum() / weights.sum())
+    model = torch.load(model_path, weights_only=True)
+    flat = torch.cat([t.reshape(-1).double() for t in model.values()])
+    assert flat.numel() == params
+    return float((flat - expected).abs().max())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--sites", default="100,1000", help="comma-separated swarm sizes")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--fraction-fit", type=float, default=1.0)
+    parser.add_argument("--params", type=int, default=100_000)
+    parser.add_argument("--processes", type=int, default=4, help="swarm processes")
+    parser.add_argument("--idle-s", type=float, default=20.0, help="idle CPU window")
+    parser.add_argument("--timeout-s", type=float, default=1200.0, help="per swarm size")
+    parser.add_argument(
+        "--server-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a server.toml key (JSON value), e.g. max_workers=8000",
+    )
+    args = parser.parse_args(argv)
+    options: dict[str, Any] = {}
+    for item in args.server_option:
+        key, _, value = item.partition("=")
+        options[key] = json.loads(value)
+    print(HEADER, flush=True)
+    for n in (int(s) for s in args.sites.split(",")):
+        with tempfile.TemporaryDirectory(prefix=f"swarm-{n}-") as tmp:
+            run = run_swarm(
+                n,
+                rounds=args.rounds,
+                fraction_fit=args.fraction_fit,
+                params=args.params,
+                processes=max(1, min(args.processes, n)),
+                idle_s=args.idle_s,
+                timeout_s=args.timeout_s,
+                server_options=options,
+                workdir=Path(tmp),
+            )
+        print(run.row(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
