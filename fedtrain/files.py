@@ -13,10 +13,11 @@ import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_path", "atomic_write", "read_jsonl"]
+__all__ = ["JsonLines", "atomic_path", "atomic_write", "read_jsonl"]
 
 
 @contextlib.contextmanager
@@ -49,15 +50,30 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], mode: int | None 
             os.chmod(tmp, mode)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a JSON-lines file ([] if there is none). A last line without its
-    newline that is not valid JSON is a record being appended right now (a live run)
-    or cut short by a crash: it is left out, not an error."""
+@dataclass
+class JsonLines:
+    """What a JSON-lines file holds, and how its end looks."""
+
+    records: list[dict[str, Any]]
+    #: The file does not end with a newline: its last record is being appended right
+    #: now (a live run) or was cut short by a crash.
+    unterminated: bool = False
+    #: That last line was not valid JSON, so it is not among `records`.
+    dropped: bool = False
+
+
+def read_jsonl(path: Path) -> JsonLines:
+    """Every record of a JSON-lines file (none if there is no file). A last line that is
+    not complete JSON is left out, not an error: a reader of a live run, or a restart
+    after a crash, takes the whole records."""
     if not path.exists():
-        return []
+        return JsonLines([])
     *lines, last = path.read_text(encoding="utf-8").split("\n")
     records = [json.loads(line) for line in lines if line.strip()]
-    if last.strip():
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(last))
-    return records
+    if not last.strip():
+        return JsonLines(records, unterminated=bool(last))
+    try:
+        records.append(json.loads(last))  # complete, only its newline is missing
+    except json.JSONDecodeError:
+        return JsonLines(records, unterminated=True, dropped=True)
+    return JsonLines(records, unterminated=True)

@@ -150,12 +150,12 @@ def write_report(run_path: str | Path) -> Path:
     run = Path(run_path)
     if not run.is_dir():
         raise ConfigError(f"{run_path} is not a run directory")
-    metrics = read_jsonl(run / METRICS)
+    metrics = read_jsonl(run / METRICS).records
     if not metrics:
         raise ConfigError(
             f"{run / METRICS} is missing or empty: is {run} a fedtrain run directory?"
         )
-    audit = read_jsonl(run / AUDIT)
+    audit = read_jsonl(run / AUDIT).records
     log.info(
         "%s: %d rounds in %s%s",
         run,
