@@ -223,7 +223,7 @@ class BufferedRounds:
             time.monotonic() + self.timeout_s,
         )
         self.jobs[session.site] = job
-        config = {**self.strategy.round_config(job.number, session.site), "version": model.round}
+        config = self.strategy.job_config(job.number, model.round, session.site)
         instruct(session, job.number, model.version, config, time.time() + self.timeout_s)
         log.debug("job %d: site %r trains from version %d", job.number, session.site, model.round)
         self._cond.notify_all()  # the coordinator thread watches its deadline

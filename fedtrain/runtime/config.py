@@ -18,8 +18,9 @@ from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
-from fedtrain.simulation.config import PartitionConfig, StrategyConfig
-from fedtrain.strategy import Strategy
+from fedtrain.simulation.config import SCHEDULE_DOC, PartitionConfig, StrategyConfig
+from fedtrain.strategy import Schedule, Strategy
+from fedtrain.strategy.schedule import check_schedules
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -124,6 +125,7 @@ class ServerConfig:
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every chosen site (epochs, batch_size, lr, momentum, ...).",
     )
+    client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
     tls: ServerTlsConfig = section(
         ServerTlsConfig, "TLS (ca, cert, key) and how sites prove their certificates."
@@ -161,13 +163,14 @@ class ServerConfig:
                     f"client.{key} = {value!r}: round config values must be booleans, "
                     "numbers or strings"
                 )
+        check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 
     def build_strategy(self) -> Strategy:
-        """The strategy the `[strategy]` table names, with `[client]` as its round config."""
-        return self.strategy.build(self.client)
+        """The strategy `[strategy]` names, with `[client]` and `[client_schedule]`."""
+        return self.strategy.build(self.client, self.client_schedule, self.rounds)
 
 
 @dataclass
