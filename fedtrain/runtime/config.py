@@ -15,6 +15,7 @@ from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.simulation.config import SCHEDULE_DOC, PartitionConfig, StrategyConfig
@@ -22,46 +23,7 @@ from fedtrain.strategy import Schedule, Strategy
 from fedtrain.strategy.schedule import check_schedules
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-@dataclass
-class TlsConfig:
-    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).")
-    cert: str = option("", "This machine's certificate (`fedtrain ca issue-server/-site`).")
-    key: str = option("", "The private key of `cert`.")
-
-    def require(self, where: str) -> tuple[Path, Path, Path]:
-        """The three paths, or a clear error naming the missing keys."""
-        missing = [k for k in ("ca", "cert", "key") if not getattr(self, k)]
-        if missing:
-            keys = ", ".join(f"tls.{k}" for k in missing)
-            raise ConfigError(
-                f"{where}: {keys} not set; mutual TLS needs the CA certificate and this "
-                "machine's certificate and key (or pass --insecure for a local test)"
-            )
-        return Path(self.ca), Path(self.cert), Path(self.key)
-
-
-@dataclass
-class ServerTlsConfig(TlsConfig):
-    verify_sites_in_handshake: bool = option(
-        False,
-        "Also demand a CA-signed site certificate in the TLS handshake: peers without one "
-        "never reach fedtrain (a smaller attack surface), but those refusals are then not "
-        "in audit.jsonl, only in gRPC's stderr line. Sites prove their certificate at join "
-        "either way.",
-    )
-
-
-@dataclass
-class SiteTlsConfig(TlsConfig):
-    server_name: str = option(
-        "",
-        "Host name to expect in the server certificate, when it differs from the "
-        "dialled address (e.g. dialling through a tunnel).",
-    )
 
 
 @dataclass
@@ -327,6 +289,12 @@ class SiteConfig:
         1,
         "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
         "the daemon's own process. Set `devices` or `nproc`, not both.",
+    )
+    exit_when_done: bool = option(
+        False,
+        "Exit (status 0) when the server says its run is complete, instead of waiting for "
+        "its next run: for scripts, CI and Kubernetes Jobs (`fedtrain client "
+        "--exit-when-done` sets it).",
     )
     seed: int = option(
         0,

@@ -98,7 +98,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             return
         site, certificate = admitted
         if self.coordinator.finished.is_set():
-            yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+            yield pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE))
             return
         session, replaced = self.registry.add(
             site, peer, certificate=certificate.pem if certificate else b""

@@ -441,17 +441,10 @@ class Deployment:
         self.close()
 
 
-def _is_resource_tracker(proc: psutil.Process) -> bool:
-    """multiprocessing's resource tracker: started once per test process by the first
-    torch.multiprocessing user (tests/parallel) and kept for the process's lifetime."""
-    try:
-        return any("resource_tracker" in part for part in proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 def assert_gone(pids: list[int]) -> None:
     """No process we started is alive (zombies do not count), nor any child of ours."""
+    from process_sweep import is_resource_tracker  # tests/, on the path in pytest only
+
     alive = []
     for pid in pids:
         try:
@@ -463,6 +456,6 @@ def assert_gone(pids: list[int]) -> None:
     children = [
         c
         for c in psutil.Process().children(recursive=True)
-        if c.status() != psutil.STATUS_ZOMBIE and not _is_resource_tracker(c)
+        if c.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(c)
     ]
     assert not children, f"child processes left behind: {children}"
