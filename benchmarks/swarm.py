@@ -16,7 +16,7 @@ while all sites but one are connected and no round runs (idle), and how long
 `Status` takes to answer during rounds.
 
     python -m benchmarks.swarm --sites 100,1000 --rounds 10 --fraction-fit 0.1
-    python -m benchmarks.swarm --sites 3000 --server-option max_workers=8000
+    python -m benchmarks.swarm --sites 3000 --server-option max_sites=2000
 
 Only 127.0.0.1; every process the benchmark starts is stopped at the end. A swarm of
 N sites needs about N file descriptors in the server and in the swarm processes
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a server.toml key (JSON value), e.g. max_workers=8000",
+        help="a server.toml key (JSON value), e.g. max_sites=2000",
     )
     args = parser.parse_args(argv)
     options: dict[str, Any] = {}

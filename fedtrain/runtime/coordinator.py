@@ -28,6 +28,7 @@ import numpy as np
 from fedtrain.errors import ConfigError, FedtrainError
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
+from fedtrain.runtime import wire
 from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.checkpoints import CheckpointWriter, settle_run_record
@@ -589,7 +590,7 @@ class Coordinator:
             self.global_model.version[:12],
             self.run_dir.model_path,
         )
-        bye = pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+        bye = pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE))
         for session in self.registry.sessions():
             session.send(bye)
             self.registry.remove(session, "run complete")

@@ -61,25 +61,11 @@ from fedtrain.secagg import (
     UnmaskShares,
     decode_message,
 )
+from fedtrain.secagg.round_ids import round_id as secagg_round_id
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import WeightedSum
 
 log = logging.getLogger(__name__)
-
-#: Attempts per round that get distinct protocol round ids (see `secagg_round_id`).
-ATTEMPTS_PER_ROUND = 1_000_000
-
-
-def secagg_round_id(server_round: int, attempt: int) -> int:
-    """The protocol's round id: ``round * 10^6 + attempt``, read as decimal digits.
-
-    Distinct per attempt, so a late message from a failed attempt can never be taken
-    for one of its retry; readable in the protocol's own log lines (3000002: round 3,
-    attempt 2).
-    """
-    if not 0 < attempt < ATTEMPTS_PER_ROUND:
-        raise SecAggError(f"round {server_round}: attempt {attempt} is out of range")
-    return server_round * ATTEMPTS_PER_ROUND + attempt
 
 
 @dataclass(eq=False)

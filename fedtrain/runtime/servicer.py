@@ -35,6 +35,7 @@ import grpc
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.admission import AdmissionGate, Refusal
+from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.coordinator import Coordinator, GlobalModel
@@ -51,6 +52,7 @@ from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
+from fedtrain.runtime.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class FedtrainServicer:
         self.max_sites = max_sites
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
+        self.weights = WeightPolicy(config.weights)
         self._transfer_slots: asyncio.Semaphore | None = None
         self._downloads = SharedDownloads(config.chunk_bytes)
 
@@ -137,7 +140,7 @@ class FedtrainServicer:
             return
         site, certificate = admitted
         if self.coordinator.finished.is_set():
-            await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete")))
+            await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
         hb = self.config.heartbeat
         interval = heartbeat_interval(hb.interval_s, len(self.registry) + 1)
@@ -475,12 +478,14 @@ class FedtrainServicer:
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
+        weight = None if header.masked else await self._weigh(state, session, header, context)
         async with self.transfer_slots:
             try:
-                if isinstance(state, SecureRoundState):
+                if weight is None:
+                    assert isinstance(state, SecureRoundState)
                     received = await self._receive_masked(state, session, header, request_iterator)
                 else:
-                    received = await self._receive(state, session, header, request_iterator)
+                    received = await self._receive(state, session, header, weight, request_iterator)
             except (grpc.RpcError, asyncio.CancelledError):
                 log.warning("%s: the upload stream broke off; partial update discarded", where)
                 self.audit.record("upload_aborted", site=session.site, round=header.round)
@@ -521,8 +526,53 @@ class FedtrainServicer:
             bytes=received,
             num_examples=header.num_examples,
             masked=header.masked,
+            **({} if weight is None else {"num_examples_counted": weight.weight}),
         )
-        return pb.UploadReceipt(round=header.round, bytes_received=received)
+        return pb.UploadReceipt(
+            round=header.round,
+            bytes_received=received,
+            num_examples_counted=0 if weight is None else weight.weight,
+            notice="" if weight is None else weight.reason,
+        )
+
+    async def _weigh(
+        self,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        context: grpc.aio.ServicerContext,
+    ) -> WeightDecision:
+        """What a plain update's declared example count may count for (`weights.py`),
+        decided before any of its chunks is received; a refusal or a clip is audited."""
+        try:
+            decision = self.weights.admit(session.site, header.num_examples)
+        except WeightRefused as exc:
+            await self._run(state.abandon, session.site)
+            self._audit_weight("weight_refused", session, header.round, exc.decision)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"site {session.site!r}, round {header.round}: {exc}",
+            )
+        if decision.over:
+            log.warning("site %r, round %d: %s", session.site, header.round, decision.reason)
+            self._audit_weight("weight_clipped", session, header.round, decision)
+        return decision
+
+    def _audit_weight(
+        self, event: str, session: Session, server_round: int, decision: WeightDecision
+    ) -> None:
+        self.audit.record(
+            event,
+            site=session.site,
+            round=server_round,
+            num_examples=decision.declared,
+            limit=decision.limit,
+            rule=decision.rule.value,
+            reason=decision.reason,
+        )
 
     def _check_header(self, state: Any, header: pb.UploadHeader, where: str) -> None:
         """Refuse a header that cannot belong to the round in progress."""
@@ -553,20 +603,20 @@ class FedtrainServicer:
 
     async def _receive(
         self,
-        state: RoundState,
+        state: RoundState | BufferedRounds,
         session: Session,
         header: pb.UploadHeader,
+        weight: WeightDecision,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
     ) -> int:
-        """Validate, journal and fold one upload as it arrives; returns the bytes received.
+        """Validate and journal one upload as it arrives, and fold it from its journal
+        once whole, with the weight the policy let through; returns the bytes received.
 
-        On any failure the folded chunks are taken back out while the journal still
-        exists (the caller's `abandon` then finds nothing left to undo). An encoded
-        upload (`[compression]`) is journaled as its codec's parts and folded decoded
-        once whole.
+        An upload that fails on the way was never folded, so it leaves no trace in the
+        round's sum. An encoded upload (`[compression]`) is journaled as its codec's
+        parts and folded decoded.
         """
         specs = self.coordinator.global_model.state.specs
-        weight = float(header.num_examples)
         spool = (
             UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
             if self.codec.name == "none"
@@ -575,16 +625,22 @@ class FedtrainServicer:
             )
         )
 
-        def fold(chunk: Chunk) -> None:
-            state.fold(session.site, spool, spool.add(chunk), weight)
+        def journal(chunk: Chunk) -> None:
+            if state.closed:  # e.g. the deadline passed: stop receiving at once
+                raise UploadRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"site {session.site!r}, round {header.round}: the round closed "
+                    "while the update was being received; update dropped",
+                )
+            spool.add(chunk)
 
         def finish() -> None:
             spool.finish()
-            state.commit(session, spool, header.num_examples, dict(header.metrics))
+            state.commit(session, spool, weight.weight, dict(header.metrics))
 
         try:
             async for chunk in self._chunks(session, header, request_iterator):
-                await self._run(fold, chunk)
+                await self._run(journal, chunk)
             await self._run(finish)
         except BaseException:
             await asyncio.shield(self._run(state.abandon, session.site))

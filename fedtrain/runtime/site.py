@@ -6,7 +6,9 @@ so the control stream stays responsive: download the global model (skipped when
 the version is cached), train with the task, upload the delta in chunks. Anything
 that breaks the connection sends the daemon back to reconnecting with exponential
 backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
-that restarts with `--resume` is simply rejoined.
+that restarts with `--resume` is simply rejoined. When the server says the run is
+complete the site waits for its next run, or, with `exit_when_done`, leaves (for
+scripts, CI and Kubernetes Jobs).
 
 A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
 instead of in this process (see `site_parallel`). The group is started before the
@@ -63,6 +65,10 @@ from fedtrain.tensors import Chunk, ModelState, StateAssembler, chunk_values, to
 log = logging.getLogger(__name__)
 
 CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
+#: How long a stopping daemon waits for a job in flight to notice. A round training in
+#: this process cannot be interrupted, and its update is lost either way (the server
+#: counts this site as a dropout), so the daemon does not wait for it to finish.
+TRAINER_GRACE_S = 0.5
 
 
 class JoinRefused(FedtrainError):
@@ -160,6 +166,9 @@ class SiteDaemon:
                 "this site trains in worker processes (devices/nproc/torchrun), which build "
                 "the task and data from site.toml: pass neither task= nor data="
             )
+        #: Set when the server said its run is complete; with `exit_when_done` the
+        #: daemon then stops, and connection failures after it are no news.
+        self.run_complete = False
         #: Set when the site cannot train any more (a torchrun group broke): `run()`
         #: returns and the CLI exits non-zero, so torchrun can restart the site.
         self.fatal: str | None = None
@@ -168,7 +177,10 @@ class SiteDaemon:
         self.data: Dataset | None = None
         self.model: nn.Module | None = None
         if self.group is None:
-            self.data = site_dataset(self.task, config.data, self.name) if data is None else data
+            if data is None:
+                log.info("building this site's training data (%s)", _data_source(config))
+                data = site_dataset(self.task, config.data, self.name)
+            self.data = data
             self.model = model_for(self.task, config.seed).to(self.device)
         self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
         #: Model downloads actually made (cache hits are not downloads).
@@ -201,6 +213,11 @@ class SiteDaemon:
         trainer.start()
         backoff = Backoff(self.config.reconnect.min_s, self.config.reconnect.max_s)
         last_failure = ""
+        log.info(
+            "connecting to the server at %s (%s)",
+            self.config.server,
+            "no TLS" if self.insecure else "mutual TLS",
+        )
         try:
             while not self._stop.is_set():
                 retry_after = 0.0
@@ -211,8 +228,10 @@ class SiteDaemon:
                     if self._stop.is_set():
                         break
                     failure = rpc.describe_rpc_error(exc)
-                    # Warn once per kind of failure; a server that stays down is one story.
-                    level = logging.INFO if failure == last_failure else logging.WARNING
+                    # Warn once per kind of failure; a server that stays down is one story,
+                    # and one that went away after completing its run is no news at all.
+                    quiet = failure == last_failure or self.run_complete
+                    level = logging.INFO if quiet else logging.WARNING
                     log.log(level, "connection to %s failed: %s", self.config.server, failure)
                     last_failure = failure
                 except JoinRefused as exc:
@@ -231,7 +250,7 @@ class SiteDaemon:
         finally:
             self.stop()
             self._close_group()  # first: it cuts a round in training short
-            trainer.join(timeout=5.0)
+            trainer.join(timeout=TRAINER_GRACE_S)
         log.info("site %r stopped", self.name)
 
     def _close_group(self) -> None:
@@ -318,7 +337,7 @@ class SiteDaemon:
                 elif kind == "reject":
                     raise JoinRefused(message.reject.reason, message.reject.retry_after_s)
                 elif kind == "shutdown":
-                    log.info("the server closed the session: %s", message.shutdown.reason)
+                    self._shutdown(message.shutdown.reason)
                     return
                 else:
                     log.warning("ignoring a %s message this site does not handle", kind)
@@ -333,6 +352,21 @@ class SiteDaemon:
             with self._lock:
                 self._call = None
 
+    def _shutdown(self, reason: str) -> None:
+        """The server ended the session on purpose; a complete run may end the daemon."""
+        if reason != wire.RUN_COMPLETE:
+            log.info("the server closed the session: %s", reason)
+            return
+        self.run_complete = True
+        if self.config.exit_when_done:
+            log.info("the server's run is complete; exiting (exit_when_done)")
+            self.stop()
+        else:
+            log.info(
+                "the server's run is complete; waiting for its next run (set "
+                "exit_when_done = true in site.toml, or pass --exit-when-done, to exit instead)"
+            )
+
     def _welcome(
         self, channel: grpc.Channel, outbox: queue.SimpleQueue[pb.SiteMessage | None], w: pb.Welcome
     ) -> Link:
@@ -345,6 +379,7 @@ class SiteDaemon:
             )
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         link.codec = self._codec(w)
+        self.run_complete = False  # a new run, or the same one resumed
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
             target=_heartbeat,
@@ -421,6 +456,8 @@ class SiteDaemon:
                 header.codec = link.codec.name
             receipt = self._upload(link, header, chunks)
             clock.mark("upload")
+            if receipt.notice:  # the server's weight policy clipped this site's weight
+                log.warning("round %d: the server says: %s", server_round, receipt.notice)
             self.rounds_trained += 1
             log.info(
                 "round %d: trained on %d examples, uploaded %d bytes (%s)",
@@ -597,6 +634,14 @@ class _PhaseClock:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._phases)
+
+
+def _data_source(config: SiteConfig) -> str:
+    """Where this site's examples come from, for the start-up log."""
+    data = config.data
+    if data.source == "task":
+        return "the task's site_data hook"
+    return f"part {data.partition} of {data.num_partitions}, {data.kind} split"
 
 
 def _drain(outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> Iterator[pb.SiteMessage]:

@@ -14,7 +14,7 @@ import numpy as np
 from torch.utils.data import Dataset, Subset
 
 from fedtrain.errors import ConfigError, TaskError
-from fedtrain.partition import partition
+from fedtrain.partition import LABEL_PARTITIONERS, partition
 from fedtrain.runtime.config import DataConfig
 from fedtrain.task import SiteData, Task
 
@@ -43,7 +43,7 @@ def site_dataset(task: Task, config: DataConfig, site_name: str) -> Dataset:
             )
         return data
     train, _ = task.datasets()
-    needs_labels = config.kind in ("dirichlet", "shards")
+    needs_labels = config.kind in LABEL_PARTITIONERS
     labels = task.labels(train).numpy() if needs_labels else np.zeros(len(train))  # type: ignore[arg-type]
     parts = partition(
         config.kind,

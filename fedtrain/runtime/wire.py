@@ -35,6 +35,9 @@ HEADER_ALLOWANCE = 64 * 1024
 #: Its version moves whenever masks or stage messages change (2: AES-128 mask keystream),
 #: so a site of another version is refused at Join instead of corrupting the sum.
 SECAGG_CAPABILITY = "secagg/2"
+#: The reason of the Shutdown the server sends when its run is over: a site with
+#: `exit_when_done` exits on it, any other site waits for the server's next run.
+RUN_COMPLETE = "run complete"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
