@@ -34,7 +34,6 @@ from fedtrain.runtime.config import ServerConfig, SiteConfig
 from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.secagg_round import ATTEMPTS_PER_ROUND, SecureRoundState
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
 from fedtrain.secagg import (
@@ -50,6 +49,7 @@ from fedtrain.secagg import (
     decode_message,
 )
 from fedtrain.secagg.quantize import Quantizer
+from fedtrain.secagg.round_ids import ATTEMPTS_PER_ROUND, SecureRoundState
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import FedMedian
 from fedtrain.strategy.aggregate import apply_mean_delta
