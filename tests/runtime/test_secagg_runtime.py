@@ -34,6 +34,7 @@ from fedtrain.runtime.config import ServerConfig, SiteConfig
 from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.runtime.site import SiteDaemon
 from fedtrain.secagg import (
@@ -49,7 +50,7 @@ from fedtrain.secagg import (
     decode_message,
 )
 from fedtrain.secagg.quantize import Quantizer
-from fedtrain.secagg.round_ids import ATTEMPTS_PER_ROUND, SecureRoundState
+from fedtrain.secagg.round_ids import ATTEMPTS_PER_ROUND
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import FedMedian
 from fedtrain.strategy.aggregate import apply_mean_delta
