@@ -234,12 +234,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fedtrain.observability.status import render_rich, render_text
-    from fedtrain.runtime.status import fetch_status
+    from fedtrain.runtime.status import SitePage, fetch_status
 
     if not args.verbose:  # the answer goes to stdout; keep "TLS: ..." info lines out of it
         logging.getLogger("fedtrain").setLevel(logging.WARNING)
     address, identity, server_name = _status_target(args)
-    state = fetch_status(address, identity, server_name=server_name, timeout_s=args.timeout)
+    page = SitePage(args.sites_from, args.sites)
+    state = fetch_status(
+        address, identity, server_name=server_name, timeout_s=args.timeout, page=page
+    )
     if args.json:
         print(state.to_json())
     elif sys.stdout.isatty():
@@ -417,6 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="no TLS (a server started with --insecure)"
     )
     status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument(
+        "--sites", type=int, default=100, metavar="N", help="list N connected sites (default 100)"
+    )
+    status.add_argument(
+        "--sites-from",
+        type=int,
+        default=0,
+        metavar="K",
+        help="list sites from the K-th (0-based, sorted by name)",
+    )
     status.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)"
     )

@@ -28,9 +28,22 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 @dataclass
 class HeartbeatConfig:
-    interval_s: float = option(5.0, "How often sites send a heartbeat (told to them on join).")
+    interval_s: float = option(
+        5.0,
+        "How often sites send a heartbeat (told to them on join). With many sites the "
+        "server asks for longer intervals, so that all heartbeats together stay under "
+        "200 per second (liveness comes from keepalive pings and from any bytes received).",
+    )
     timeout_s: float = option(
-        30.0, "A site silent this long is disconnected (a dropout if it was training)."
+        30.0,
+        "A site silent this long is disconnected (a dropout if it was training); scaled "
+        "with the site's heartbeat interval when the server lengthened it.",
+    )
+    keepalive_s: float = option(
+        20.0,
+        "HTTP/2 keepalive: the server pings every site connection this often, and closes "
+        "one that does not answer within as long again (the site is then gone: a "
+        "crashed host or a cut link is noticed without a message from it).",
     )
 
 
@@ -156,8 +169,22 @@ class ServerConfig:
     max_message_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit; must exceed chunk_bytes + 64 KiB."
     )
-    max_workers: int = option(
-        64, "gRPC worker threads; each connected site holds one, each transfer one more."
+    max_sites: int = option(
+        0,
+        "Most sites connected at once; further joins are refused with a retry-after hint "
+        "(audited). 0: as many as the process's file limit allows (the server raises its "
+        "soft RLIMIT_NOFILE to the hard limit and keeps room for transfers and files).",
+    )
+    max_transfers: int = option(
+        64,
+        "Model downloads and update uploads moved at once; more wait their turn (the "
+        "site's stream simply waits), so upload journals and files stay bounded whatever "
+        "the number of sites.",
+    )
+    cpu_threads: int = option(
+        2,
+        "Threads for the server's CPU work (validating and folding chunks, protocol "
+        "messages); connections and streams cost no thread.",
     )
     upload_memory_mb: int = option(
         1024,
@@ -200,7 +227,11 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
+        _positive(self, "rounds", "eval_every", "chunk_bytes", "max_transfers", "cpu_threads")
+        if self.max_sites < 0:
+            raise ConfigError(
+                f"max_sites must be >= 0 (0: from the file limit), got {self.max_sites}"
+            )
         _positive(self, "round_timeout_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
@@ -354,6 +385,8 @@ def _check_heartbeat(hb: HeartbeatConfig) -> None:
             f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and below "
             f"heartbeat.timeout_s ({hb.timeout_s}), or every site would time out"
         )
+    if not hb.keepalive_s > 0:
+        raise ConfigError(f"heartbeat.keepalive_s must be > 0, got {hb.keepalive_s!r}")
 
 
 def load_server_config(path: str | Path) -> ServerConfig:

@@ -87,10 +87,20 @@ class RoundState:
     timed_out: bool = False
     #: Set when folding failed halfway; the aggregate is then unusable and the attempt fails.
     poisoned: str | None = None
+    #: Chosen sites whose outcome is still PENDING (`wait` checks it on every wake-up:
+    #: counting, not rescanning, keeps a round O(sites) however often it wakes).
+    _pending: int = field(default=0, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.outcomes = {site: Outcome.PENDING for site in self.plan}
+        self._pending = len(self.outcomes)
+
+    def set_outcome(self, site: str, outcome: Outcome) -> None:
+        """Settle a PENDING site (under the lock, or before the attempt is published)."""
+        if self.outcomes[site] is Outcome.PENDING and outcome is not Outcome.PENDING:
+            self._pending -= 1
+        self.outcomes[site] = outcome
 
     # -- uploads ------------------------------------------------------------------------
     def admit(self, session: Session, server_round: int, model_version: str) -> None:
@@ -163,7 +173,7 @@ class RoundState:
             except BaseException as exc:
                 self._poison(f"folding the update of {session.site!r} failed halfway: {exc}")
                 raise
-            self.outcomes[session.site] = Outcome.DONE
+            self.set_outcome(session.site, Outcome.DONE)
             self.results.append((num_examples, dict(metrics)))
             self._cond.notify_all()
 
@@ -175,7 +185,7 @@ class RoundState:
                 return False
             if self.outcomes[session.site] is not Outcome.PENDING or self.closed:
                 return False
-            self.outcomes[session.site] = outcome
+            self.set_outcome(session.site, outcome)
             self._cond.notify_all()
             return True
 
@@ -184,7 +194,7 @@ class RoundState:
         """Block until every chosen site settled, the deadline passes, or `stopped()`."""
         with self._cond:
             while not self.closed and not stopped():
-                if all(o is not Outcome.PENDING for o in self.outcomes.values()):
+                if not self._pending:
                     return
                 left = self.deadline - time.monotonic()
                 if left <= 0:

@@ -47,7 +47,7 @@ from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.sessions import Session
+from fedtrain.runtime.sessions import Session, summarize_sites
 from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.secagg import (
     AdvertiseKeys,
@@ -208,7 +208,7 @@ class SecureRoundState(RoundState):
                 ) from None
             if complete:
                 self.uploading.discard(site)
-                self.outcomes[site] = Outcome.DONE
+                self.set_outcome(site, Outcome.DONE)
                 self._cond.notify_all()
             return complete
 
@@ -311,7 +311,7 @@ class SecureRoundState(RoundState):
                     "round %d: secure-aggregation stage %s reached its deadline without %s",
                     self.round,
                     stage.name,
-                    ", ".join(sorted(waiting)),
+                    summarize_sites(sorted(waiting)),
                 )
                 break
             self._cond.wait(left)
@@ -327,7 +327,7 @@ class SecureRoundState(RoundState):
             log.info(
                 "round %d: %s dropped at secure-aggregation stage %s",
                 self.round,
-                ", ".join(missing),
+                summarize_sites(missing),
                 stage.name,
             )
         return True

@@ -72,7 +72,14 @@ TRAINER_GRACE_S = 0.5
 
 
 class JoinRefused(FedtrainError):
-    """The server refused this site (allow-list, fingerprint, protocol version, ...)."""
+    """The server refused this site (allow-list, fingerprint, protocol version, ...).
+
+    `retry_after_s > 0` marks a temporary refusal (the server is at capacity): the site
+    then waits at least that long, so thousands of refused sites cannot hammer it."""
+
+    def __init__(self, reason: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class Backoff:
@@ -88,9 +95,13 @@ class Backoff:
         self._cap = min_s
         self._rng = np.random.default_rng()
 
-    def next(self) -> float:
+    def next(self, at_least_s: float = 0.0) -> float:
+        """The next delay; with `at_least_s` (a server's retry-after hint), that long plus
+        up to half as much again of jitter, if that is longer."""
         delay = float(self._rng.uniform(self.min_s, self._cap))
         self._cap = min(self.max_s, self._cap * 2)
+        if at_least_s > delay:
+            delay = float(self._rng.uniform(at_least_s, 1.5 * at_least_s))
         return delay
 
     def reset(self) -> None:
@@ -209,6 +220,7 @@ class SiteDaemon:
         )
         try:
             while not self._stop.is_set():
+                retry_after = 0.0
                 try:
                     self._session(backoff)
                     last_failure = ""
@@ -223,12 +235,16 @@ class SiteDaemon:
                     log.log(level, "connection to %s failed: %s", self.config.server, failure)
                     last_failure = failure
                 except JoinRefused as exc:
-                    log.error("the server refused this site: %s", exc)
+                    retry_after = exc.retry_after_s
+                    if retry_after:
+                        log.warning("the server cannot take this site now: %s", exc)
+                    else:
+                        log.error("the server refused this site: %s", exc)
                 except FedtrainError as exc:  # e.g. the server broke the protocol
                     log.error("session with %s failed: %s", self.config.server, exc)
                 if self._stop.is_set():
                     break
-                delay = backoff.next()
+                delay = backoff.next(retry_after)
                 log.info("reconnecting to %s in %.1fs", self.config.server, delay)
                 self._stop.wait(delay)
         finally:
@@ -259,7 +275,7 @@ class SiteDaemon:
 
     # -- the control stream ------------------------------------------------------------------
     def _channel(self) -> grpc.Channel:
-        options = wire.channel_options(self.config.max_message_bytes)
+        options = wire.site_channel_options(self.config.max_message_bytes)
         if self._identity is None:
             return grpc.insecure_channel(self.config.server, options=options)
         if self.config.tls.server_name:
@@ -319,7 +335,7 @@ class SiteDaemon:
                         )
                     self.secagg.handle(link, message.secagg)
                 elif kind == "reject":
-                    raise JoinRefused(message.reject.reason)
+                    raise JoinRefused(message.reject.reason, message.reject.retry_after_s)
                 elif kind == "shutdown":
                     self._shutdown(message.shutdown.reason)
                     return
