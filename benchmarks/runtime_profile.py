@@ -7,11 +7,12 @@ them. At one model size it times, in this process and with fedtrain's own code:
   on its own thread while the next round runs;
 - ``begin_round``: allocating and zeroing the FedAvg accumulator;
 - ``receive``: one update as the upload handler takes it, chunk by chunk: placement
-  checks, finiteness, journal (in memory, within ``upload_memory_mb``) and the
-  weighted add into the round's sum; ``receive_disk``: the same with the journal on
-  disk (``upload_memory_mb = 0``, or past the budget);
-- ``undo``: taking a whole update back out of the sum from its journal (only for an
-  upload that breaks off);
+  checks, finiteness and the journal (in memory, within ``upload_memory_mb``);
+  ``receive_disk``: the same with the journal on disk (``upload_memory_mb = 0``, or
+  past the budget);
+- ``commit``: folding the whole update into the round's sum from its journal, once
+  it is complete (``commit_disk``: from a journal on disk, in the page cache): the
+  part of an upload that runs after its last byte arrived;
 - ``check_finite``: the per-chunk NaN/Inf check over one update, sum-first (current)
   and element-wise ``isfinite`` (what it was before), to show what that change saved;
 - ``grpc_upload``/``grpc_download``: raw Python gRPC throughput over loopback for
@@ -104,22 +105,22 @@ def _server_pieces(
     aggregate = strategy.begin_round(1, model)
 
     def receive(memory: MemoryBudget) -> tuple[float, float]:
-        """(seconds to receive and fold one update, seconds to take it back out)."""
+        """(seconds to receive one update, seconds to fold it in at commit)."""
         with UpdateSpool(model.specs, workdir, chunk_bytes, memory) as spool:
             start = time.perf_counter()
             for chunk in chunks:
-                aggregate.add_checked_chunk(*spool.add(chunk), 1.0)
+                spool.add(chunk)
             spool.finish()
             mid = time.perf_counter()
-            for piece in spool.pieces():
-                aggregate.add_checked_chunk(*piece, -1.0)
+            spool.fold_into(aggregate, 1.0)
             return mid - start, time.perf_counter() - mid
 
     in_memory = [receive(MemoryBudget(update.nbytes)) for _ in range(repeat)]
     on_disk = [receive(MemoryBudget(0)) for _ in range(repeat)]
     out["receive"] = min(t[0] for t in in_memory)
-    out["undo"] = min(t[1] for t in in_memory)
+    out["commit"] = min(t[1] for t in in_memory)
     out["receive_disk"] = min(t[0] for t in on_disk)
+    out["commit_disk"] = min(t[1] for t in on_disk)
     values = update["weights"]
     step = chunk_bytes // 4
     pieces = [values[i : i + step] for i in range(0, num_params, step)]

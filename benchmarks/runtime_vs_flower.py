@@ -114,6 +114,11 @@ class Plan:
     skip_flower: bool
     jobs: list[Job] = field(default_factory=list)
 
+    @property
+    def side_by_side(self) -> list[int]:
+        """The sizes both systems run at."""
+        return side_by_side(self.sizes, self.flower_max, self.skip_flower)
+
     def __post_init__(self) -> None:
         for size in self.sizes:
             self.jobs.append(Job("fedtrain", size, "insecure"))
@@ -121,6 +126,11 @@ class Plan:
                 self.jobs.append(Job("fedtrain", size, "mtls"))
             if not self.skip_flower and size <= self.flower_max:
                 self.jobs += [Job("flower", size, client) for client in self.flower_clients]
+
+
+def side_by_side(sizes: Sequence[int], flower_max: int, skip_flower: bool) -> list[int]:
+    """The sizes Flower runs at too."""
+    return [] if skip_flower else [s for s in sizes if s <= flower_max]
 
 
 def timeout_for(job: Job, rounds: int, scale: float) -> float:
@@ -514,7 +524,7 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         "",
         "Best of 2, fedtrain's own code in one process, 4 MiB chunks. Per round the server "
         "does 1 checkpoint (in the background) + 1 begin_round and, per site, 1 receive "
-        "(an undo only for an upload that breaks off).",
+        "and 1 commit (an upload that breaks off is never folded).",
         "",
         "| piece | seconds | MB/s |",
         "|---|---|---|",
@@ -523,9 +533,10 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
             for name, key in (
                 ("checkpoint (direct I/O write + fsync + rename)", "checkpoint"),
                 ("begin_round (zeroed accumulator)", "begin_round"),
-                ("receive one update (validate, finiteness, journal in memory, add)", "receive"),
-                ("the same, journal on disk", "receive_disk"),
-                ("undo one update from its in-memory journal", "undo"),
+                ("receive one update (validate, finiteness, journal in memory)", "receive"),
+                ("commit: fold it into the sum from its in-memory journal", "commit"),
+                ("the same two, journal on disk: receive", "receive_disk"),
+                ("commit from the journal on disk (page cache)", "commit_disk"),
                 ("check_finite over one update, sum-first (now)", "check_finite"),
                 ("check_finite over one update, element-wise (before)", "check_finite_elementwise"),
                 ("raw Python gRPC upload of one model over loopback", "grpc_upload"),
@@ -562,17 +573,28 @@ def write_section(path: Path, section: str) -> None:
 
 
 # -- main ------------------------------------------------------------------------------------
+def parse_size(text: str) -> int:
+    """'25e6' or '25M' -> 25000000; '0' -> 0."""
+    item = text.strip().upper()
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(item[-1:], 1)
+    number = item[:-1] if scale != 1 else item
+    return int(float(number) * scale)
+
+
 def parse_sizes(text: str) -> list[int]:
     """'1000000,25e6,100M' -> [1000000, 25000000, 100000000]."""
-    out = []
-    for item in text.split(","):
-        item = item.strip().upper()
-        scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(item[-1:], 1)
-        number = item[:-1] if scale != 1 else item
-        out.append(int(float(number) * scale))
+    out = [parse_size(item) for item in text.split(",")]
     if any(s < 1 for s in out):
         raise argparse.ArgumentTypeError("sizes must be >= 1")
     return out
+
+
+def parse_tls_size(text: str) -> int:
+    """One size for the mTLS row; 0 means no mTLS row."""
+    size = parse_size(text)
+    if size < 0:
+        raise argparse.ArgumentTypeError("--tls-size must be >= 0 (0: no mTLS row)")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -602,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-flower", action="store_true", help="run fedtrain only")
     parser.add_argument(
         "--tls-size",
-        type=parse_sizes,
+        type=parse_tls_size,
         default=None,
         help="size of the one fedtrain mTLS row (default: largest size Flower runs at; 0: none)",
     )
@@ -620,23 +642,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the plan, print progress, write the section; exit 1 if any run failed."""
-    args = build_parser().parse_args(argv)
-    command = "python benchmarks/runtime_vs_flower.py" + (
-        " " + shlex.join(argv if argv is not None else sys.argv[1:])
-        if (argv if argv is not None else sys.argv[1:])
-        else ""
-    )
+def make_plan(args: argparse.Namespace) -> Plan:
+    """The runs the command line asks for."""
     clients = [c.strip() for c in args.flower_clients.split(",") if c.strip()]
     if not set(clients) <= {"numpy", "torch"}:
         raise SystemExit("--flower-clients takes numpy and/or torch")
     if args.sites < 1 or args.rounds < 1:
         raise SystemExit("--sites and --rounds must be >= 1")
     flower_max = args.flower_max[0]
-    side = [s for s in args.sizes if s <= flower_max and not args.skip_flower]
-    tls_size = args.tls_size[0] if args.tls_size else (max(side) if side else None)
-    plan = Plan(
+    side = side_by_side(args.sizes, flower_max, args.skip_flower)
+    tls_size = args.tls_size if args.tls_size is not None else (max(side) if side else None)
+    return Plan(
         sizes=list(args.sizes),
         sites=args.sites,
         rounds=args.rounds,
@@ -645,6 +661,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         tls_size=tls_size or None,
         skip_flower=args.skip_flower,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the plan, print progress, write the section; exit 1 if any run failed."""
+    args = build_parser().parse_args(argv)
+    command = "python benchmarks/runtime_vs_flower.py" + (
+        " " + shlex.join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:])
+        else ""
+    )
+    plan = make_plan(args)
+    side = plan.side_by_side
     session = uuid.uuid4().hex
     os.environ[SESSION_ENV] = session  # inherited by every process of both systems
     own_workdir = args.workdir is None

@@ -16,7 +16,7 @@ while all sites but one are connected and no round runs (idle), and how long
 `Status` takes to answer during rounds.
 
     python -m benchmarks.swarm --sites 100,1000 --rounds 10 --fraction-fit 0.1
-    python -m benchmarks.swarm --sites 3000 --server-option max_workers=8000
+    python -m benchmarks.swarm --sites 3000 --server-option max_sites=2000
 
 Only 127.0.0.1; every process the benchmark starts is stopped at the end. A swarm of
 N sites needs about N file descriptors in the server and in the swarm processes
@@ -109,16 +109,19 @@ class SwarmSite:
         ) as channel:
             stub = pb_grpc.FedtrainStub(channel)
             while not stop.is_set():
-                outcome = await self._session(stub, fingerprint, stop)
+                outcome, retry_after = await self._session(stub, fingerprint, stop)
                 if outcome == "done":
                     return
-                if outcome == "refused":
-                    await asyncio.sleep(delay * (0.5 + np.random.random()))
+                if outcome == "refused":  # as a daemon does: its backoff, or the server's hint
+                    wait = max(delay, retry_after)
+                    await asyncio.sleep(wait * (1 + 0.5 * np.random.random()))
                     delay = min(RETRY_MAX_S, delay * 2)
                 else:
                     await asyncio.sleep(RETRY_MIN_S)
 
-    async def _session(self, stub: pb_grpc.FedtrainStub, fingerprint: str, stop: Any) -> str:
+    async def _session(
+        self, stub: pb_grpc.FedtrainStub, fingerprint: str, stop: Any
+    ) -> tuple[str, float]:
         call = stub.Control()
         join = pb.Join(
             site_name=self.name,
@@ -131,7 +134,8 @@ class SwarmSite:
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
                 self.stats.refused += 1
-                return "refused"
+                hint = first.reject.retry_after_s if first is not grpc.aio.EOF else 0.0
+                return "refused", hint
             welcome = first.welcome
             self.stats.joined += 1
             self.joined.set()
@@ -140,19 +144,19 @@ class SwarmSite:
                 message = await call.read()
                 if message is grpc.aio.EOF:
                     self.stats.broken += 1
-                    return "broken"
+                    return "broken", 0.0
                 kind = message.WhichOneof("kind")
                 if kind == "shutdown":
-                    return "done"
+                    return "done", 0.0
                 if kind == "instruction":
                     tasks.append(
                         asyncio.create_task(self._train(stub, welcome, message.instruction))
                     )
         except grpc.aio.AioRpcError:
             if stop.is_set():
-                return "done"
+                return "done", 0.0
             self.stats.broken += 1
-            return "broken"
+            return "broken", 0.0
         finally:
             for task in tasks:
                 task.cancel()
@@ -494,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a server.toml key (JSON value), e.g. max_workers=8000",
+        help="a server.toml key (JSON value), e.g. max_sites=2000",
     )
     args = parser.parse_args(argv)
     options: dict[str, Any] = {}

@@ -119,7 +119,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     tune_allocator()  # before torch is imported (see its docstring)
 
-    from fedtrain.observability.progress import describe
+    from fedtrain.observability.progress import RoundProgress
     from fedtrain.runtime.config import load_server_config
     from fedtrain.runtime.lifecycle import stop_on_signals
     from fedtrain.runtime.server import AggregationServer
@@ -133,8 +133,10 @@ def cmd_server(args: argparse.Namespace) -> int:
         if resume is None:
             return 0
 
+    progress = RoundProgress(config.rounds, "server", live=False)  # log lines with an ETA
+
     def on_round(record: dict) -> None:
-        log.info(describe(record))
+        progress.update(record)
         if args.progress_jsonl:
             print(json.dumps(record, sort_keys=True), flush=True)
 
@@ -215,24 +217,33 @@ def _resume_decision(run_dir: str, rounds: int) -> bool | None:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
+    """Run a site daemon until it is stopped (or the run is done, with --exit-when-done);
+    then end the process at once (`fedtrain.teardown`)."""
+    import dataclasses
+
     from fedtrain.runtime.allocator import tune_allocator
 
     tune_allocator()  # before torch is imported (see its docstring)
+    log.info("starting the site (%s): loading torch and fedtrain's runtime", args.config)
     from fedtrain.runtime.config import load_site_config
     from fedtrain.runtime.lifecycle import stop_on_signals
     from fedtrain.runtime.site import SiteDaemon, site_name
     from fedtrain.runtime.site_parallel import run_follower, torchrun_follower, with_workers
+    from fedtrain.teardown import leave_now
 
     config = with_workers(load_site_config(args.config), devices=args.devices, nproc=args.nproc)
+    if args.exit_when_done:
+        config = dataclasses.replace(config, exit_when_done=True)
     if torchrun_follower():  # a rank > 0 of a multi-machine site: rank 0 is the daemon
         return run_follower(config, site_name(config, insecure=args.insecure))
+    log.info("loading task %s", config.task)  # the task's own imports may take a while
     daemon = SiteDaemon(config, insecure=args.insecure)
     with stop_on_signals(daemon.stop):
         daemon.run()
     if daemon.fatal is not None:
         print(f"error: {daemon.fatal}", file=sys.stderr)
-        return 1
-    return 0
+        leave_now(1)
+    leave_now(0)  # the group, channels and threads are closed; nothing else to wait for
 
 
 def _device_list(text: str) -> list[str]:
@@ -249,12 +260,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fedtrain.observability.status import render_rich, render_text
-    from fedtrain.runtime.status import fetch_status
+    from fedtrain.runtime.status import SitePage, fetch_status
 
     if not args.verbose:  # the answer goes to stdout; keep "TLS: ..." info lines out of it
         logging.getLogger("fedtrain").setLevel(logging.WARNING)
     address, identity, server_name = _status_target(args)
-    state = fetch_status(address, identity, server_name=server_name, timeout_s=args.timeout)
+    page = SitePage(args.sites_from, args.sites)
+    state = fetch_status(
+        address, identity, server_name=server_name, timeout_s=args.timeout, page=page
+    )
     if args.json:
         print(state.to_json())
     elif sys.stdout.isatty():
@@ -270,10 +284,10 @@ def _status_target(args: argparse.Namespace):
     from fedtrain.runtime.peer_auth import client_identity
 
     site = None
-    if args.config:  # imports torch (the config schema); plain flags stay light
-        from fedtrain.runtime.config import load_site_config
+    if args.config:  # only its server and [tls]: no torch (the whole schema imports it)
+        from fedtrain.runtime.tls_config import read_site_server
 
-        site = load_site_config(args.config)
+        site = read_site_server(args.config)
     address = args.server or (site.server if site else None)
     if not address:
         raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")
@@ -400,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no TLS (local tests only; the server must run --insecure too)",
     )
+    client.add_argument(
+        "--exit-when-done",
+        dest="exit_when_done",
+        action="store_true",
+        help="exit (status 0) when the server says its run is complete, instead of waiting "
+        "for its next run (sets `exit_when_done`; for scripts, CI and Kubernetes Jobs)",
+    )
     workers = client.add_mutually_exclusive_group()
     workers.add_argument(
         "--devices",
@@ -433,6 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--insecure", action="store_true", help="no TLS (a server started with --insecure)"
     )
     status.add_argument("--json", action="store_true", help="print the state as JSON")
+    status.add_argument(
+        "--sites", type=int, default=100, metavar="N", help="list N connected sites (default 100)"
+    )
+    status.add_argument(
+        "--sites-from",
+        type=int,
+        default=0,
+        metavar="K",
+        help="list sites from the K-th (0-based, sorted by name)",
+    )
     status.add_argument(
         "--timeout", type=float, default=10.0, help="seconds to wait for an answer (default 10)"
     )

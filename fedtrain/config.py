@@ -166,14 +166,19 @@ def _key(where: str, name: str) -> str:
 
 
 def reference(cls: type, where: str = "") -> list[str]:
-    """Markdown lines documenting every key of a config dataclass (for docs and tests)."""
+    """Markdown lines documenting every key of a config dataclass (for docs and tests).
+
+    A table of tables (`dict[str, SomeDataclass]`, e.g. `client_schedule`) gets its
+    own row, then its entries' keys as `client_schedule.KEY.decay` and so on.
+    """
     lines: list[str] = []
     hints = typing.get_type_hints(cls)
-    nested = []
+    nested: list[tuple[str, type]] = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        key = _key(where, f.name)
         if dataclasses.is_dataclass(tp):
-            nested.append((f, tp))
+            nested.append((key, tp))
             continue
         if f.default is not dataclasses.MISSING:
             default = repr(f.default)
@@ -183,7 +188,10 @@ def reference(cls: type, where: str = "") -> list[str]:
             default = "required"
         doc = f.metadata.get("doc", "")
         kind = _type_name(tp) + (" (`${VAR}`)" if f.metadata.get("env") else "")
-        lines.append(f"| `{_key(where, f.name)}` | {kind} | `{default}` | {doc} |")
-    for f, tp in nested:
-        lines.extend(reference(tp, _key(where, f.name)))
+        lines.append(f"| `{key}` | {kind} | `{default}` | {doc} |")
+        entry = typing.get_args(tp)[1] if typing.get_origin(tp) is dict else None
+        if dataclasses.is_dataclass(entry):
+            nested.append((f"{key}.KEY", entry))  # type: ignore[arg-type]
+    for key, tp in nested:
+        lines.extend(reference(tp, key))
     return lines

@@ -1,20 +1,23 @@
 """Durable files: replaced atomically (write a temporary file beside, fsync, rename), so
-a reader, or a restart after a crash, sees the old file or the new one, never half.
+a reader, or a restart after a crash, sees the old file or the new one, never half; and
+JSON-lines files read while they may be growing.
 
-No torch here: the CLI's light commands (`fedtrain ca`, `fedtrain status`) write
-certificates and keys with it.
+No torch here: the CLI's light commands (`fedtrain ca`, `fedtrain status`, `fedtrain
+report`) use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_path", "atomic_write"]
+__all__ = ["JsonLines", "atomic_path", "atomic_write", "read_jsonl"]
 
 
 @contextlib.contextmanager
@@ -45,3 +48,32 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], mode: int | None 
             os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
+
+
+@dataclass
+class JsonLines:
+    """What a JSON-lines file holds, and how its end looks."""
+
+    records: list[dict[str, Any]]
+    #: The file does not end with a newline: its last record is being appended right
+    #: now (a live run) or was cut short by a crash.
+    unterminated: bool = False
+    #: That last line was not valid JSON, so it is not among `records`.
+    dropped: bool = False
+
+
+def read_jsonl(path: Path) -> JsonLines:
+    """Every record of a JSON-lines file (none if there is no file). A last line that is
+    not complete JSON is left out, not an error: a reader of a live run, or a restart
+    after a crash, takes the whole records."""
+    if not path.exists():
+        return JsonLines([])
+    *lines, last = path.read_text(encoding="utf-8").split("\n")
+    records = [json.loads(line) for line in lines if line.strip()]
+    if not last.strip():
+        return JsonLines(records, unterminated=bool(last))
+    try:
+        records.append(json.loads(last))  # complete, only its newline is missing
+    except json.JSONDecodeError:
+        return JsonLines(records, unterminated=True, dropped=True)
+    return JsonLines(records, unterminated=True)

@@ -14,7 +14,9 @@ import numpy as np
 
 from fedtrain.errors import ConfigError
 
-PARTITIONERS = ("iid", "dirichlet", "shards", "quantity")
+PARTITIONERS = ("iid", "dirichlet", "shards", "labels", "quantity")
+#: The partitioners that read the task's labels (`Task.labels`).
+LABEL_PARTITIONERS = ("dirichlet", "shards", "labels")
 
 
 def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -63,12 +65,19 @@ def dirichlet(
 def shards(
     labels: Sequence[int] | np.ndarray, num_clients: int, labels_per_client: int, seed: int
 ) -> list[np.ndarray]:
-    """Pathological non-IID (McMahan et al.): sort by label, cut into
-    num_clients * labels_per_client shards, give each client `labels_per_client` shards."""
+    """Pathological non-IID as McMahan et al. 2017 made it: sort the examples by label,
+    cut them into num_clients * labels_per_client equal shards, deal each client
+    `labels_per_client` random shards.
+
+    A client holds `labels_per_client` *shards*, not labels: a shard that straddles a
+    label boundary brings both labels, and two shards may share one, so where every
+    label has at least a shard's worth of examples a client holds between 1 and
+    2 * labels_per_client labels (2-4 for 2 shards on the 10 digits; more where labels
+    are rarer than a shard is long). Use `labels` for exactly `labels_per_client`.
+    """
     y = np.asarray(labels)
     _check(len(y), num_clients)
-    if labels_per_client < 1:
-        raise ConfigError(f"partition.labels_per_client must be >= 1, got {labels_per_client}")
+    _check_per_client(labels_per_client)
     num_shards = num_clients * labels_per_client
     if num_shards > len(y):
         raise ConfigError(f"{len(y)} examples cannot be cut into {num_shards} shards")
@@ -80,6 +89,53 @@ def shards(
         np.sort(np.concatenate([pieces[s] for s in assignment[c::num_clients]]))
         for c in range(num_clients)
     ]
+
+
+def exact_labels(
+    labels: Sequence[int] | np.ndarray, num_clients: int, labels_per_client: int, seed: int
+) -> list[np.ndarray]:
+    """Exactly `labels_per_client` distinct labels per client.
+
+    Labels are dealt round-robin over a seeded shuffle of them (client c holds labels
+    c*k, ..., c*k + k - 1 of it, modulo their number), so each label goes to as many
+    clients as any other, give or take one; each label's examples are split evenly,
+    in a seeded random order, among the clients holding it. Covering every example
+    needs every label held by someone (num_clients * labels_per_client >= labels) and
+    each label to have an example for every holder.
+    """
+    y = np.asarray(labels)
+    _check(len(y), num_clients)
+    _check_per_client(labels_per_client)
+    classes = np.unique(y)
+    if labels_per_client > len(classes):
+        raise ConfigError(
+            f"partition.labels_per_client = {labels_per_client} exceeds the {len(classes)} "
+            "labels the data has"
+        )
+    if num_clients * labels_per_client < len(classes):
+        raise ConfigError(
+            f"{num_clients} clients x labels_per_client = {labels_per_client} cannot hold all "
+            f"{len(classes)} labels, so some examples would belong to no client; raise "
+            "labels_per_client or num_clients"
+        )
+    rng = np.random.default_rng(seed)
+    dealt = rng.permutation(classes)
+    holders: dict[int, list[int]] = {}
+    for c in range(num_clients):
+        for j in range(labels_per_client):
+            holders.setdefault(int(dealt[(c * labels_per_client + j) % len(dealt)]), []).append(c)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for label in classes:
+        idx = rng.permutation(np.flatnonzero(y == label))
+        owners = holders[int(label)]
+        if len(idx) < len(owners):
+            raise ConfigError(
+                f"label {label} has {len(idx)} examples for {len(owners)} clients holding it; "
+                "lower num_clients or labels_per_client"
+            )
+        for owner, piece in zip(owners, np.array_split(idx, len(owners)), strict=True):
+            parts[owner].append(piece)
+    return [np.sort(np.concatenate(p)) for p in parts]
 
 
 def quantity(num_examples: int, num_clients: int, alpha: float, seed: int) -> list[np.ndarray]:
@@ -110,9 +166,16 @@ def partition(
         return dirichlet(labels, num_clients, alpha, seed)
     if kind == "shards":
         return shards(labels, num_clients, labels_per_client, seed)
+    if kind == "labels":
+        return exact_labels(labels, num_clients, labels_per_client, seed)
     if kind == "quantity":
         return quantity(n, num_clients, alpha, seed)
     raise ConfigError(f"partition.kind = {kind!r} is unknown; choose one of {PARTITIONERS}")
+
+
+def _check_per_client(labels_per_client: int) -> None:
+    if labels_per_client < 1:
+        raise ConfigError(f"partition.labels_per_client must be >= 1, got {labels_per_client}")
 
 
 def _check(num_examples: int, num_clients: int) -> None:

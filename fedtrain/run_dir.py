@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fedtrain.errors import ConfigError
-from fedtrain.files import atomic_write
+from fedtrain.files import atomic_write, read_jsonl
 from fedtrain.tensor_file import load_tensor_file, save_tensor_file
 from fedtrain.tensors import ModelState
 
@@ -108,17 +108,10 @@ class RunDir:
 
     def _read_metrics(self) -> tuple[list[dict[str, Any]], bool]:
         """The lines, and whether the file ends in a line cut short (skipped)."""
-        if not self.metrics_path.exists():
-            return [], False
-        *lines, last = self.metrics_path.read_text(encoding="utf-8").split("\n")
-        records = [json.loads(line) for line in lines if line.strip()]
-        if not last.strip():
-            return records, bool(last)
-        try:
-            records.append(json.loads(last))  # complete, only its newline is missing
-        except json.JSONDecodeError:
+        lines = read_jsonl(self.metrics_path)
+        if lines.dropped:
             log.warning("%s: its last line was cut short by a crash; skipped", self.metrics_path)
-        return records, True
+        return lines.records, lines.unterminated
 
     def save_checkpoint(
         self,

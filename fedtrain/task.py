@@ -10,7 +10,6 @@ task is a model plus datasets.
 from __future__ import annotations
 
 import hashlib
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 
 from fedtrain.errors import ConfigError, TaskError
+from fedtrain.references import import_reference
 from fedtrain.strategy.base import RoundConfig
 from fedtrain.tensors import TensorSpec, dtype_name
 
@@ -327,18 +327,7 @@ def task_fingerprint(task: Task) -> str:
 
 def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:
     """Import a task from `"package.module:ClassName"` and build it with `options`."""
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"task = {ref!r} must look like 'package.module:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"task = {ref!r}: cannot import {module_name!r} ({exc}); is it installed here?"
-        ) from None
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ConfigError(f"task = {ref!r}: {module_name!r} has no {attr!r}")
+    factory = import_reference(ref, "task", "ClassName")
     try:
         task = factory(**dict(options or {}))
     except TypeError as exc:

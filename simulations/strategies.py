@@ -2,9 +2,9 @@
 
     python simulations/strategies.py [--max-rounds 150] [--only fedavg fedbuff]
 
-20 clients, 2 labels each (`shards` partition, McMahan et al.), local training of 2
-epochs (SGD lr 0.02, momentum 0.9, batch 16). Each strategy runs with the settings
-in STRATEGIES below (server-side hyper-parameters tuned coarsely once, by hand;
+20 clients, 2 shards each (`shards` partition, McMahan et al.: 1-4 labels, 2 for most),
+local training of 2 epochs (SGD lr 0.02, momentum 0.9, batch 16). Each strategy runs
+with the settings in STRATEGIES below (server-side hyper-parameters tuned coarsely once, by hand;
 a `-suffix` labels another setting of the same strategy).
 
 Synchronous strategies: every client trains every round. FedBuff (asynchronous):

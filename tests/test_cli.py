@@ -101,3 +101,57 @@ def test_status_of_an_unreachable_server_says_what_to_check(tmp_path):
     assert out.returncode == 2
     assert "needs --ca, --cert and --key" in out.stderr
     assert "fedtrain ca issue-site --ca-dir ca --name operator" in out.stderr
+
+
+def _run_probed(args: list[str], cwd: Path) -> tuple[int, bool, str]:
+    """(exit code, whether torch got imported, stderr) of `fedtrain ARGS`, run in a fresh
+    interpreter."""
+    probe = (
+        "import sys\n"
+        "from fedtrain.cli import main\n"
+        f"code = main({args!r})\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+    code, torch_loaded = out.stdout.splitlines()[-1].split()
+    return int(code), torch_loaded == "True", out.stderr
+
+
+def test_light_commands_never_import_torch(tmp_path):
+    """Operators run these where torch's import (seconds on a busy machine) would be
+    most of the time the command takes."""
+    from fedtrain.runtime.demo import dump_toml, free_port
+
+    ca, operator = tmp_path / "ca", tmp_path / "operator"
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    tls = {
+        "ca": str(ca / "ca.crt"),
+        "cert": str(operator / "operator.crt"),
+        "key": str(operator / "operator.key"),
+    }
+    site_toml = tmp_path / "site.toml"
+    site_toml.write_text(
+        dump_toml({"task": "fedtrain.examples:DigitsTask", "server": address, "tls": tls})
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"round": 1, "accuracy": 0.5}) + "\n")
+    commands = [
+        (["ca", "init", "--ca-dir", str(ca)], 0),
+        (
+            ["ca", "issue-site", "--ca-dir", str(ca), "--name", "operator", "--out", str(operator)],
+            0,
+        ),
+        (["ca", "check", "--cert", tls["cert"], "--ca", tls["ca"], "--key", tls["key"]], 0),
+        (["status", "--server", address, "--insecure", "--timeout", "1"], 2),
+        (["status", "--config", str(site_toml), "--timeout", "1"], 2),
+        (["report", str(run)], 0),
+    ]
+    for args, expected in commands:
+        code, torch_loaded, stderr = _run_probed(args, tmp_path)
+        assert code == expected, (args, stderr)
+        assert not torch_loaded, f"`fedtrain {' '.join(args)}` imported torch"
+        if "--config" in args:  # it read the site's server address and certificate
+            assert f"no answer from the server at {address}" in stderr, stderr

@@ -15,17 +15,43 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 log = logging.getLogger(__name__)
 
 
-def describe(record: Mapping[str, Any]) -> str:
-    """One round's record as a short line: round, accuracy, loss, clients, seconds."""
-    parts = [f"round {record['round']}"]
+def describe(
+    record: Mapping[str, Any], total_rounds: int | None = None, eta_s: float | None = None
+) -> str:
+    """One round's record as a short line: round (of total), accuracy, loss, clients,
+    pace, seconds, and the time left when known."""
+    total = f"/{total_rounds}" if total_rounds else ""
+    parts = [f"round {record['round']}{total}"]
     for key, fmt in (("accuracy", "{:.4f}"), ("loss", "{:.4f}")):
         if record.get(key) is not None:
             parts.append(f"{key} {fmt.format(record[key])}")
-    parts.append(f"clients {record.get('clients', 0)}")
-    if record.get("clients_per_s") is not None:
-        parts.append(f"{record['clients_per_s']:.0f} clients/s")
+    parts.append(f"{record.get('clients', 0)} clients")
+    if record.get("clients_per_s"):
+        parts.append(pace(record["clients_per_s"]))
     parts.append(f"{record.get('seconds', 0.0):.2f}s")
+    if eta_s is not None:
+        parts.append(f"ETA {duration(eta_s)}")
     return " | ".join(parts)
+
+
+def pace(clients_per_s: float) -> str:
+    """Clients per second, or seconds per client when that reads better: a round of ten
+    clients that each train for a few seconds is '3.2 s/client', never '0 clients/s'."""
+    if clients_per_s >= 10:
+        return f"{clients_per_s:.0f} clients/s"
+    if clients_per_s >= 1:
+        return f"{clients_per_s:.1f} clients/s"
+    return f"{1 / clients_per_s:.1f} s/client"
+
+
+def duration(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m': a time left, to the precision anyone plans with."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 class RoundProgress:
@@ -42,6 +68,10 @@ class RoundProgress:
         self._progress: Progress | None = None
         self._task: Any = None
         self._round_started: tuple[int, float] | None = None
+        #: When this display started, and the round before the first one it saw (a
+        #: resumed server starts past round 0): the pace so far gives the ETA.
+        self._started = time.monotonic()
+        self._before: int | None = None
 
     def __enter__(self) -> RoundProgress:
         if self.live:
@@ -57,8 +87,19 @@ class RoundProgress:
             self._task = self._progress.add_task(self.title, total=self.total, status="")
         return self
 
+    def eta_s(self, server_round: int) -> float | None:
+        """Seconds left after `server_round`, at the average pace of the rounds seen so
+        far; None before the first round or after the last."""
+        if self._before is None:
+            self._before = server_round - 1
+        done = server_round - self._before
+        left = self.total - server_round
+        if done <= 0 or left <= 0:
+            return None
+        return (time.monotonic() - self._started) / done * left
+
     def update(self, record: Mapping[str, Any], completed: int | None = None) -> None:
-        line = describe(record)
+        line = describe(record, self.total, self.eta_s(record["round"]))
         if self._progress is not None:
             done = record["round"] if completed is None else completed
             self._progress.update(self._task, completed=done, status=line)
@@ -73,7 +114,7 @@ class RoundProgress:
         if self._progress is None:
             return
         elapsed = now - self._round_started[1]
-        rate = f", {done / elapsed:.0f} clients/s" if elapsed > 0 and done else ""
+        rate = f", {pace(done / elapsed)}" if elapsed > 0 and done else ""
         status = f"round {server_round}: {done}/{total} clients{rate}"
         self._progress.update(self._task, status=status)
 

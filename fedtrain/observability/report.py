@@ -4,26 +4,29 @@ Reads only what every run writes (`metrics.jsonl`, `config.json`) plus the runti
 `audit.jsonl` when present, so it works for simulations and deployments alike.
 Plots: accuracy and loss per round, bytes per round, per-site participation (from
 the audit log), and privacy epsilon when DP was on.
+
+Fast to start: neither torch (a report reads JSON) nor pyplot (figures are drawn
+with matplotlib's object API straight to the Agg canvas, so no GUI backend is looked
+for) is imported; on a busy machine each cost more seconds than drawing the plots.
 """
 
 from __future__ import annotations
 
 import html
 import json
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fedtrain.errors import ConfigError
-from fedtrain.run_dir import RunDir
+from fedtrain.files import read_jsonl
 
+log = logging.getLogger(__name__)
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+METRICS = "metrics.jsonl"
+AUDIT = "audit.jsonl"
 
 
 def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -31,31 +34,23 @@ def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], lis
     return [r for r, _ in rows], [float(v) for _, v in rows]
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 @contextmanager
 def _round_figure(out: Path, title: str, height: float = 3.5) -> Iterator[Any]:
-    """An axes with rounds on x; titled, laid out, saved to `out` and closed on exit."""
-    plt = _pyplot()
+    """An axes with rounds on x; titled, laid out and saved to `out` on exit."""
+    log.info("plotting %s", out.name)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, height), dpi=110)
-    try:
-        yield ax
-        ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_title(title)
-        fig.tight_layout()
-        fig.savefig(out)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(7, height), dpi=110)
+    FigureCanvasAgg(fig)  # files only: never looks for a display
+    ax = fig.subplots()
+    yield ax
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out)
 
 
 def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
@@ -135,7 +130,6 @@ def plot_participation(audit: Sequence[dict[str, Any]], out: Path) -> Path | Non
     table = participation(audit)
     if not table:
         return None
-    _pyplot()  # selects the file-only backend before matplotlib.colors loads
     from matplotlib.colors import ListedColormap
 
     sites = sorted(table)
@@ -153,18 +147,25 @@ def plot_participation(audit: Sequence[dict[str, Any]], out: Path) -> Path | Non
 
 def write_report(run_path: str | Path) -> Path:
     """Write `report/` inside the run directory; returns the HTML file's path."""
-    run = RunDir(run_path) if Path(run_path).is_dir() else None
-    if run is None:
+    run = Path(run_path)
+    if not run.is_dir():
         raise ConfigError(f"{run_path} is not a run directory")
-    metrics = run.read_metrics()
+    metrics = read_jsonl(run / METRICS).records
     if not metrics:
         raise ConfigError(
-            f"{run.metrics_path} is missing or empty: is {run.path} a fedtrain run directory?"
+            f"{run / METRICS} is missing or empty: is {run} a fedtrain run directory?"
         )
-    audit = _read_jsonl(run.path / "audit.jsonl")
-    config_path = run.path / "config.json"
+    audit = read_jsonl(run / AUDIT).records
+    log.info(
+        "%s: %d rounds in %s%s",
+        run,
+        len(metrics),
+        METRICS,
+        f", {len(audit)} records in {AUDIT}" if audit else "",
+    )
+    config_path = run / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    out = run.path / "report"
+    out = run / "report"
     out.mkdir(exist_ok=True)
     plots = [
         p
@@ -177,7 +178,7 @@ def write_report(run_path: str | Path) -> Path:
         if p is not None
     ]
     page = out / "index.html"
-    page.write_text(_html(run.path, metrics, config, plots), encoding="utf-8")
+    page.write_text(_html(run, metrics, config, plots), encoding="utf-8")
     return page
 
 

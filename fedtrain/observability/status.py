@@ -54,6 +54,12 @@ class ServerState:
     finished: bool
     sites: tuple[SiteState, ...] = ()
     last_metrics: Mapping[str, float] = field(default_factory=dict)
+    #: Sites connected; `sites` may list only a page of them (large federations).
+    connected_sites: int = 0
+
+    @property
+    def connected(self) -> int:
+        return max(self.connected_sites, len(self.sites))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -72,10 +78,17 @@ def _summary(state: ServerState) -> list[tuple[str, str]]:
         ("task", state.task),
         ("phase", f"{state.phase}: {PHASE_TEXT.get(state.phase, '')}"),
         ("round", _round_line(state)),
-        ("sites", f"{len(state.sites)} connected, {state.min_sites} needed to start a round"),
+        ("sites", _sites_line(state)),
         ("secure aggregation", "on" if state.secagg else "off"),
         ("model", state.model_version[:12]),
     ]
+
+
+def _sites_line(state: ServerState) -> str:
+    line = f"{state.connected} connected, {state.min_sites} needed to start a round"
+    if len(state.sites) < state.connected:
+        line += f" (listing {len(state.sites)}; `fedtrain status --sites N` lists more)"
+    return line
 
 
 def _value(value: float) -> str:

@@ -12,20 +12,19 @@ import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 from fedtrain.parallel.rank import GroupSpec, RankTrainer, backend_for
 from fedtrain.parallel.shared import SharedState
+from fedtrain.teardown import leave_now
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +75,9 @@ def worker_main(rank: int, device_name: str, config: WorkerConfig, conn: Connect
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    _leave_now()
-
-
-def _leave_now() -> NoReturn:
-    """Exit 0 without the interpreter's teardown. A stopped worker has nothing left to
-    save, and finalizing a torch process (its last garbage collection alone) takes
-    seconds on a busy machine: seconds that a stopping daemon, and the service manager
-    waiting for it, would spend waiting for every worker."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(0)
+    # A stopped worker has nothing left to save; a stopping daemon (and the service
+    # manager behind it) would otherwise wait for every worker's interpreter teardown.
+    leave_now(0)
 
 
 def _serve(trainer: RankTrainer, shared: SharedState | None, conn: Connection) -> None:

@@ -48,6 +48,7 @@ from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.privacy.noise import discrete_gaussian
 from fedtrain.secagg.messages import RoundParams
 from fedtrain.secagg.quantize import MODULUS, Quantizer
+from fedtrain.secagg.round_ids import describe
 
 #: Weight every site declares under distributed DP (see the module docstring).
 SITE_WEIGHT = 1.0
@@ -175,7 +176,7 @@ class DistributedDP:
             dp.check(params.quantizer(), params.vector_length)
         except ConfigError as exc:
             raise SecAggError(
-                f"round {params.round_id}: distributed-DP parameters refused: {exc}"
+                f"{describe(params.round_id)}: distributed-DP parameters refused: {exc}"
             ) from None
         return dp
 

@@ -16,7 +16,10 @@ servicer's `upload_rejected`) and counted in the version's metrics. The K-th upd
 swaps in a fresh buffer at once (uploads keep folding while the full one is applied),
 and the coordinator thread turns the full buffer into the next version: publish,
 hand the waiting sites their next jobs, evaluate, checkpoint (with the version's
-metrics record, as a round's), log.
+metrics record, as a round's), log. The buffer that makes the run's last version is
+the last one: once it is full the run is closed to uploads, so an update that
+arrives while that version is being made is refused (`upload_rejected`) instead of
+being folded into a buffer no version would apply.
 
 All decisions about jobs and the buffer happen under one lock, shared by the upload
 handlers, the control streams (joins, leaves, errors) and the coordinator thread.
@@ -41,7 +44,7 @@ import grpc
 from fedtrain.errors import ConfigError
 from fedtrain.runtime.rounds import Outcome, UploadRefused, refuse_second_upload
 from fedtrain.runtime.sessions import Session, instruct
-from fedtrain.runtime.upload import Piece, UpdateSpool
+from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate
 
 if TYPE_CHECKING:
@@ -223,7 +226,7 @@ class BufferedRounds:
             time.monotonic() + self.timeout_s,
         )
         self.jobs[session.site] = job
-        config = {**self.strategy.round_config(job.number, session.site), "version": model.round}
+        config = self.strategy.job_config(job.number, model.round, session.site)
         instruct(session, job.number, model.version, config, time.time() + self.timeout_s)
         log.debug("job %d: site %r trains from version %d", job.number, session.site, model.round)
         self._cond.notify_all()  # the coordinator thread watches its deadline
@@ -233,10 +236,11 @@ class BufferedRounds:
         failure is listed in the version's metrics (None: counted elsewhere, e.g. stale)."""
         if self.jobs.get(job.site) is job:
             del self.jobs[job.site]
-        if outcome is Outcome.DROPPED:
-            self.filling.dropped.append(job.site)
-        elif outcome is Outcome.FAILED:
-            self.filling.failed.append(job.site)
+        if not self.closed:  # after the last buffer filled, no version is left to list it
+            if outcome is Outcome.DROPPED:
+                self.filling.dropped.append(job.site)
+            elif outcome is Outcome.FAILED:
+                self.filling.failed.append(job.site)
         self._release_fetched()
         self._cond.notify_all()
 
@@ -280,10 +284,6 @@ class BufferedRounds:
             refuse_second_upload(self.uploading, session.site, where)
             self._check_staleness(job, where, stage=False)  # refuse before the bytes travel
             self.uploading[session.site] = job
-
-    def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
-        """Nothing as chunks arrive: a buffered update is folded whole at `commit`, from
-        its journal, into whichever buffer is filling then (it may change meanwhile)."""
 
     def abandon(self, site: str) -> None:
         """An admitted upload failed; the job stays open until the site reports or times out."""
@@ -332,7 +332,13 @@ class BufferedRounds:
             )
             if self.strategy.buffer_full(filling.buffer):
                 self.full.append(filling)
-                self.filling = self._new_buffer(filling.buffer.version + 2)
+                if filling.buffer.version + 1 >= self.coordinator.config.rounds:
+                    # The run's last version is now decided: no buffer follows it, so
+                    # an update arriving before the coordinator thread made it is
+                    # refused rather than folded into a buffer no version would apply.
+                    self.closed = True
+                else:
+                    self.filling = self._new_buffer(filling.buffer.version + 2)
             self._end(job, Outcome.DONE)
             self._assign_idle()
 

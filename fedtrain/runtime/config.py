@@ -16,61 +16,35 @@ from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
-from fedtrain.simulation.config import PartitionConfig, StrategyConfig
-from fedtrain.strategy import Strategy
+from fedtrain.simulation.config import SCHEDULE_DOC, PartitionConfig, StrategyConfig
+from fedtrain.strategy import Schedule, Strategy
+from fedtrain.strategy.schedule import check_schedules
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass
-class TlsConfig:
-    ca: str = option("", "Federation CA certificate (`ca.crt` from `fedtrain ca init`).", env=True)
-    cert: str = option(
-        "", "This machine's certificate (`fedtrain ca issue-server/-site`).", env=True
-    )
-    key: str = option("", "The private key of `cert`.", env=True)
-
-    def require(self, where: str) -> tuple[Path, Path, Path]:
-        """The three paths, or a clear error naming the missing keys."""
-        missing = [k for k in ("ca", "cert", "key") if not getattr(self, k)]
-        if missing:
-            keys = ", ".join(f"tls.{k}" for k in missing)
-            raise ConfigError(
-                f"{where}: {keys} not set; mutual TLS needs the CA certificate and this "
-                "machine's certificate and key (or pass --insecure for a local test)"
-            )
-        return Path(self.ca), Path(self.cert), Path(self.key)
-
-
-@dataclass
-class ServerTlsConfig(TlsConfig):
-    verify_sites_in_handshake: bool = option(
-        False,
-        "Also demand a CA-signed site certificate in the TLS handshake: peers without one "
-        "never reach fedtrain (a smaller attack surface), but those refusals are then not "
-        "in audit.jsonl, only in gRPC's stderr line. Sites prove their certificate at join "
-        "either way.",
-    )
-
-
-@dataclass
-class SiteTlsConfig(TlsConfig):
-    server_name: str = option(
-        "",
-        "Host name to expect in the server certificate, when it differs from the "
-        "dialled address (e.g. dialling through a tunnel).",
-    )
-
-
-@dataclass
 class HeartbeatConfig:
-    interval_s: float = option(5.0, "How often sites send a heartbeat (told to them on join).")
+    interval_s: float = option(
+        5.0,
+        "How often sites send a heartbeat (told to them on join). With many sites the "
+        "server asks for longer intervals, so that all heartbeats together stay under "
+        "200 per second (liveness comes from keepalive pings and from any bytes received).",
+    )
     timeout_s: float = option(
-        30.0, "A site silent this long is disconnected (a dropout if it was training)."
+        30.0,
+        "A site silent this long is disconnected (a dropout if it was training); scaled "
+        "with the site's heartbeat interval when the server lengthened it.",
+    )
+    keepalive_s: float = option(
+        20.0,
+        "HTTP/2 keepalive: the server pings every site connection this often, and closes "
+        "one that does not answer within as long again (the site is then gone: a "
+        "crashed host or a cut link is noticed without a message from it).",
     )
 
 
@@ -116,6 +90,62 @@ class SecAggServerSettings(SecAggSettings):
 
 
 @dataclass
+class WeightsConfig:
+    """How many examples a site's plain update may count for (see `runtime/weights.py`)."""
+
+    max_num_examples: int = option(
+        1_000_000_000,
+        "Most examples a site not named in weights.sites may declare for one update; "
+        "above it the update is refused or clipped (weights.action).",
+    )
+    sites: dict[str, int] = option(
+        {},
+        "Per-site caps, site name -> most examples it may declare (e.g. `hospital-a = "
+        "12000`): it replaces max_num_examples and the ratio check for that site.",
+    )
+    max_weight_ratio: float = option(
+        100.0,
+        "A site not named in weights.sites may declare at most this many times the median "
+        "of the other sites' latest admitted weights (this round's, else their last "
+        "upload's); 0: no ratio check. The default stops only the absurd: give each site "
+        "a cap in weights.sites, or lower this when the sites are of similar size.",
+    )
+    action: Literal["refuse", "clip"] = option(
+        "refuse",
+        "A declared weight over its limit: `refuse` the update (the site gets "
+        "PERMISSION_DENIED), or `clip` it to the limit and count it so.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_examples < 1:
+            raise ConfigError(f"weights.max_num_examples must be >= 1, got {self.max_num_examples}")
+        if self.max_weight_ratio != 0 and not self.max_weight_ratio >= 1:
+            raise ConfigError(
+                f"weights.max_weight_ratio = {self.max_weight_ratio} must be >= 1 (a site "
+                "at the median must pass), or 0 for no ratio check"
+            )
+        for site, cap in self.sites.items():
+            if cap < 1:
+                raise ConfigError(f"weights.sites.{site} = {cap} must be >= 1")
+
+    def check_sites(self, allowed_sites: list[str], secagg: bool) -> None:
+        """Per-site caps must name admitted sites, and can only bind plain updates."""
+        unknown = sorted(set(self.sites) - set(allowed_sites)) if allowed_sites else []
+        if unknown:
+            raise ConfigError(
+                f"weights.sites names {', '.join(map(repr, unknown))}, not in allowed_sites: "
+                "fix the name (a cap for a site that never joins protects nothing)"
+            )
+        if secagg and self.sites:
+            raise ConfigError(
+                "weights.sites cannot be enforced under secure aggregation: each site's "
+                "example count travels masked; secagg.max_weight is then the cap, applied "
+                "by the sites (see the README's security model). Remove weights.sites or "
+                "turn secure aggregation off"
+            )
+
+
+@dataclass
 class ServerConfig:
     task: str = option(doc="Task installed at the server and the sites, 'package.module:Class'.")
     task_options: dict[str, Any] = option(
@@ -144,15 +174,30 @@ class ServerConfig:
     max_message_bytes: int = option(
         DEFAULT_MAX_MESSAGE_BYTES, "gRPC message size limit; must exceed chunk_bytes + 64 KiB."
     )
-    max_workers: int = option(
-        64, "gRPC worker threads; each connected site holds one, each transfer one more."
+    max_sites: int = option(
+        0,
+        "Most sites connected at once; further joins are refused with a retry-after hint "
+        "(audited). 0: as many as the process's file limit allows (the server raises its "
+        "soft RLIMIT_NOFILE to the hard limit and keeps room for transfers and files).",
+    )
+    max_transfers: int = option(
+        64,
+        "Model downloads and update uploads moved at once; more wait their turn (the "
+        "site's stream simply waits), so upload journals and files stay bounded whatever "
+        "the number of sites.",
+    )
+    cpu_threads: int = option(
+        2,
+        "Threads for the server's CPU work (validating and folding chunks, protocol "
+        "messages); connections and streams cost no thread.",
     )
     upload_memory_mb: int = option(
         1024,
-        "RAM (MiB), shared by the uploads in flight, for the journals that let a broken "
-        "upload be taken back out of the sum; an upload whose whole update does not fit "
-        "in what is left journals to a file under the run dir instead (so models larger "
-        "than this always do). Server memory is ~2x the model plus this; 0: disk only.",
+        "RAM (MiB), shared by the uploads in flight, for the journals that keep each "
+        "update until it is whole and folded into the sum; an upload whose whole update "
+        "does not fit in what is left journals to a file under the run dir instead (so "
+        "models larger than this always do). Server memory is ~2x the model plus this; "
+        "0: disk only.",
     )
     metrics_port: int = option(
         0,
@@ -170,7 +215,11 @@ class ServerConfig:
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every chosen site (epochs, batch_size, lr, momentum, ...).",
     )
+    client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
+    weights: WeightsConfig = section(
+        WeightsConfig, "What a site's declared example count may weigh (plain updates)."
+    )
     tls: ServerTlsConfig = section(
         ServerTlsConfig, "TLS (ca, cert, key) and how sites prove their certificates."
     )
@@ -184,7 +233,11 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        _positive(self, "rounds", "eval_every", "chunk_bytes", "max_workers")
+        _positive(self, "rounds", "eval_every", "chunk_bytes", "max_transfers", "cpu_threads")
+        if self.max_sites < 0:
+            raise ConfigError(
+                f"max_sites must be >= 0 (0: from the file limit), got {self.max_sites}"
+            )
         _positive(self, "round_timeout_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
@@ -201,19 +254,21 @@ class ServerConfig:
                 f"({self.chunk_bytes}) + {HEADER_ALLOWANCE}; raise it or lower chunk_bytes"
             )
         _check_heartbeat(self.heartbeat)
+        self.weights.check_sites(self.allowed_sites, self.secagg.enabled)
         for key, value in self.client.items():
             if not isinstance(value, bool | int | float | str):
                 raise ConfigError(
                     f"client.{key} = {value!r}: round config values must be booleans, "
                     "numbers or strings"
                 )
+        check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 
     def build_strategy(self) -> Strategy:
-        """The strategy the `[strategy]` table names, with `[client]` as its round config."""
-        return self.strategy.build(self.client)
+        """The strategy `[strategy]` names, with `[client]` and `[client_schedule]`."""
+        return self.strategy.build(self.client, self.client_schedule, self.rounds)
 
 
 #: Sources read from files named in site.toml (`fedtrain.datasources`).
@@ -345,6 +400,12 @@ class SiteConfig:
         "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
         "the daemon's own process. Set `devices` or `nproc`, not both.",
     )
+    exit_when_done: bool = option(
+        False,
+        "Exit (status 0) when the server says its run is complete, instead of waiting for "
+        "its next run: for scripts, CI and Kubernetes Jobs (`fedtrain client "
+        "--exit-when-done` sets it).",
+    )
     seed: int = option(
         0,
         "Seed of the site's initial model. Training draws a fresh seed (OS randomness) for "
@@ -403,6 +464,8 @@ def _check_heartbeat(hb: HeartbeatConfig) -> None:
             f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and below "
             f"heartbeat.timeout_s ({hb.timeout_s}), or every site would time out"
         )
+    if not hb.keepalive_s > 0:
+        raise ConfigError(f"heartbeat.keepalive_s must be > 0, got {hb.keepalive_s!r}")
 
 
 def load_server_config(path: str | Path) -> ServerConfig:

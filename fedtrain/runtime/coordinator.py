@@ -29,6 +29,7 @@ from fedtrain.errors import ConfigError, FedtrainError
 from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
+from fedtrain.runtime import wire
 from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.checkpoints import CheckpointWriter, settle_run_record
@@ -38,7 +39,7 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry, instruct
+from fedtrain.runtime.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
@@ -353,7 +354,7 @@ class Coordinator:
             )
         for site, session in sessions.items():
             if session is None:
-                state.outcomes[site] = Outcome.DROPPED
+                state.set_outcome(site, Outcome.DROPPED)
         self.current = state
         deadline_unix = time.time() + self.config.round_timeout_s
         log.info(
@@ -362,7 +363,7 @@ class Coordinator:
             attempt,
             len(plan),
             model.version[:12],
-            ", ".join(sorted(plan)),
+            summarize_sites(sorted(plan)),
         )
         self.audit.record(
             "round_started",
@@ -445,7 +446,7 @@ class Coordinator:
             log.warning(
                 "round %d finished without %s",
                 server_round,
-                ", ".join(summary.dropped + summary.failed),
+                summarize_sites(summary.dropped + summary.failed),
             )
         self.record_round(
             record,
@@ -599,7 +600,7 @@ class Coordinator:
             self.global_model.version[:12],
             self.run_dir.model_path,
         )
-        bye = pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+        bye = pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE))
         for session in self.registry.sessions():
             session.send(bye)
             self.registry.remove(session, "run complete")

@@ -22,9 +22,6 @@ from fedtrain.tensors import TensorSpec
 class DecodingSpool(UpdateSpool):
     """`UpdateSpool` for an update encoded with `codec`; `fold_into` folds it decoded."""
 
-    #: Its pieces are the codec's parts, not the model's tensors: folded once whole.
-    foldable = False
-
     def __init__(
         self,
         codec: Codec,

@@ -3,9 +3,11 @@
 The servicer's upload handlers and the coordinator meet here. Everything that
 decides whether an update may touch the aggregate happens under one lock: an upload
 is admitted only for a chosen site's live session in the current, still-open
-attempt; it is folded only if the attempt is still open when it completes; and the
-coordinator closes the attempt (deadline, everyone settled, shutdown) under the same
-lock, so a late fold can never race the finalization.
+attempt; it is folded, whole and from its journal, only if the attempt is still
+open when it completes; and the coordinator closes the attempt (deadline, everyone
+settled, shutdown) under the same lock, so a late fold can never race the
+finalization. An upload refused or broken off on the way was never folded, so the
+sum is bit for bit what it would have been without it (`upload.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import grpc
 
 from fedtrain.errors import UpdateRejected
 from fedtrain.runtime.sessions import Session
-from fedtrain.runtime.upload import Piece, UpdateSpool
+from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.strategy import RoundConfig
 from fedtrain.strategy.aggregate import Aggregator
 
@@ -85,12 +87,20 @@ class RoundState:
     timed_out: bool = False
     #: Set when folding failed halfway; the aggregate is then unusable and the attempt fails.
     poisoned: str | None = None
-    #: Uploads being folded as they arrive: site -> (its journal, its weight).
-    _streams: dict[str, tuple[UpdateSpool, float]] = field(default_factory=dict, init=False)
+    #: Chosen sites whose outcome is still PENDING (`wait` checks it on every wake-up:
+    #: counting, not rescanning, keeps a round O(sites) however often it wakes).
+    _pending: int = field(default=0, init=False)
     _cond: threading.Condition = field(default_factory=threading.Condition, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.outcomes = {site: Outcome.PENDING for site in self.plan}
+        self._pending = len(self.outcomes)
+
+    def set_outcome(self, site: str, outcome: Outcome) -> None:
+        """Settle a PENDING site (under the lock, or before the attempt is published)."""
+        if self.outcomes[site] is Outcome.PENDING and outcome is not Outcome.PENDING:
+            self._pending -= 1
+        self.outcomes[site] = outcome
 
     # -- uploads ------------------------------------------------------------------------
     def admit(self, session: Session, server_round: int, model_version: str) -> None:
@@ -129,61 +139,23 @@ class RoundState:
             refuse_second_upload(self.uploading, session.site, where)
             self.uploading.add(session.site)
 
-    def fold(self, site: str, spool: UpdateSpool, piece: Piece, weight: float) -> None:
-        """Fold one validated, journaled chunk into a streaming sum at once.
-
-        Aggregators that need whole updates, and encoded uploads (their pieces are codec
-        parts, decoded once whole), get the update at `commit` instead. Refused once the
-        attempt closed (`close` took the site's folded chunks back out).
-        """
-        if not (self.aggregate.additive and spool.foldable):
-            return
-        with self._cond:
-            if self.closed or site not in self.uploading:
-                raise UploadRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"site {site!r}, round {self.round}: the round closed while the update "
-                    "was being received (deadline passed); update dropped",
-                )
-            self._streams[site] = (spool, weight)
-            try:
-                self.aggregate.add_checked_chunk(*piece, weight)
-            except BaseException as exc:
-                self._poison(f"folding the update of {site!r} failed halfway: {exc}")
-                raise
-            spool.folded += 1
-
-    def _unfold(self, site: str) -> None:
-        """Take an unfinished upload's folded chunks back out of the sum (under the lock)."""
-        spool, weight = self._streams.pop(site, (None, 0.0))
-        if spool is None or not spool.folded or self.poisoned:
-            return
-        try:
-            for piece in spool.pieces(spool.folded):
-                self.aggregate.add_checked_chunk(*piece, -weight)
-        except BaseException as exc:
-            self._poison(f"taking the unfinished update of {site!r} back out failed: {exc}")
-            raise
-        log.info("round %d: %d chunk(s) of %r taken back out", self.round, spool.folded, site)
-
     def _poison(self, why: str) -> None:
         self.poisoned = why
         self.closed = True
         self._cond.notify_all()
 
     def abandon(self, site: str) -> None:
-        """An admitted upload failed; its chunks leave the sum, and the site may try again
+        """An admitted upload failed (nothing of it was folded); the site may try again
         until the deadline."""
         with self._cond:
             self.uploading.discard(site)
-            self._unfold(site)
 
     def commit(
         self, session: Session, spool: UpdateSpool, num_examples: int, metrics: Mapping[str, float]
     ) -> None:
         """Count a complete, validated update in the aggregate (if the attempt is open)."""
         with self._cond:
-            self.uploading.discard(session.site)  # a refusal below: `abandon` undoes the folds
+            self.uploading.discard(session.site)
             if self.closed:
                 raise UploadRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -196,16 +168,12 @@ class RoundState:
                     f"site {session.site!r}, round {self.round}: the site's round already "
                     f"ended as {self.outcomes[session.site].value}; update dropped",
                 )
-            streamed = self._streams.pop(session.site, None)
             try:
-                if streamed is None:
-                    spool.fold_into(self.aggregate, float(num_examples))
-                else:
-                    self.aggregate.commit(streamed[1])  # the weight its chunks were folded with
+                spool.fold_into(self.aggregate, float(num_examples))
             except BaseException as exc:
                 self._poison(f"folding the update of {session.site!r} failed halfway: {exc}")
                 raise
-            self.outcomes[session.site] = Outcome.DONE
+            self.set_outcome(session.site, Outcome.DONE)
             self.results.append((num_examples, dict(metrics)))
             self._cond.notify_all()
 
@@ -217,7 +185,7 @@ class RoundState:
                 return False
             if self.outcomes[session.site] is not Outcome.PENDING or self.closed:
                 return False
-            self.outcomes[session.site] = outcome
+            self.set_outcome(session.site, outcome)
             self._cond.notify_all()
             return True
 
@@ -226,7 +194,7 @@ class RoundState:
         """Block until every chosen site settled, the deadline passes, or `stopped()`."""
         with self._cond:
             while not self.closed and not stopped():
-                if all(o is not Outcome.PENDING for o in self.outcomes.values()):
+                if not self._pending:
                     return
                 left = self.deadline - time.monotonic()
                 if left <= 0:
@@ -242,9 +210,7 @@ class RoundState:
     def close(self) -> RoundSummary:
         """Stop admitting and folding updates; what happened, per site."""
         with self._cond:
-            self.closed = True
-            for site in list(self._streams):  # uploads still arriving leave no trace
-                self._unfold(site)
+            self.closed = True  # uploads still arriving are refused at `commit`
             by = {o: [s for s, v in self.outcomes.items() if v is o] for o in Outcome}
             return RoundSummary(
                 round=self.round,

@@ -47,7 +47,7 @@ from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.sessions import Session
+from fedtrain.runtime.sessions import Session, summarize_sites
 from fedtrain.runtime.upload import UpdateSpool
 from fedtrain.secagg import (
     AdvertiseKeys,
@@ -61,25 +61,11 @@ from fedtrain.secagg import (
     UnmaskShares,
     decode_message,
 )
+from fedtrain.secagg.round_ids import round_id as secagg_round_id
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import WeightedSum
 
 log = logging.getLogger(__name__)
-
-#: Attempts per round that get distinct protocol round ids (see `secagg_round_id`).
-ATTEMPTS_PER_ROUND = 1_000_000
-
-
-def secagg_round_id(server_round: int, attempt: int) -> int:
-    """The protocol's round id: ``round * 10^6 + attempt``, read as decimal digits.
-
-    Distinct per attempt, so a late message from a failed attempt can never be taken
-    for one of its retry; readable in the protocol's own log lines (3000002: round 3,
-    attempt 2).
-    """
-    if not 0 < attempt < ATTEMPTS_PER_ROUND:
-        raise SecAggError(f"round {server_round}: attempt {attempt} is out of range")
-    return server_round * ATTEMPTS_PER_ROUND + attempt
 
 
 @dataclass(eq=False)
@@ -222,7 +208,7 @@ class SecureRoundState(RoundState):
                 ) from None
             if complete:
                 self.uploading.discard(site)
-                self.outcomes[site] = Outcome.DONE
+                self.set_outcome(site, Outcome.DONE)
                 self._cond.notify_all()
             return complete
 
@@ -325,7 +311,7 @@ class SecureRoundState(RoundState):
                     "round %d: secure-aggregation stage %s reached its deadline without %s",
                     self.round,
                     stage.name,
-                    ", ".join(sorted(waiting)),
+                    summarize_sites(sorted(waiting)),
                 )
                 break
             self._cond.wait(left)
@@ -341,7 +327,7 @@ class SecureRoundState(RoundState):
             log.info(
                 "round %d: %s dropped at secure-aggregation stage %s",
                 self.round,
-                ", ".join(missing),
+                summarize_sites(missing),
                 stage.name,
             )
         return True

@@ -1,24 +1,35 @@
-"""The aggregation server: gRPC service + coordinator thread + heartbeat watchdog.
+"""The aggregation server: the gRPC service on an event loop, the round loop's thread.
+
+Threads, whatever the number of sites: one runs the asyncio event loop that serves
+every connection and stream (`grpc.aio`) and watches heartbeats, one the round loop
+(`Coordinator`), `cpu_threads` the CPU work handlers hand off (`servicer.py`), one
+writes checkpoints, and gRPC's core keeps a few of its own. The number of sites is
+bounded by memory and by file descriptors: the server raises its soft file limit to
+the hard one at start and admits at most as many sites as leave room for transfers
+and files (`max_sites`), refusing the rest with a retry-after hint.
 
 It also owns the observers of the run: Prometheus metrics (fed by the audit log and
 the per-round records; served when `metrics_port` is set) and, with `tensorboard =
 true`, a TensorBoard writer for the per-round records.
 
-`AggregationServer` owns everything it starts (gRPC threads, the round loop, the
-watchdog) and stops all of it in `stop()`, so the CLI, the demo and tests can run
-it in-process or as a process and leave nothing behind.
+`AggregationServer` owns everything it starts (the loop, the threads, the gRPC
+server) and stops all of it in `stop()`, so the CLI, the demo and tests can run it
+in-process or as a process and leave nothing behind.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import resource
 import threading
 from concurrent import futures
 from types import TracebackType
 from typing import Any
 
 import grpc
+import torch
 
 from fedtrain.errors import ConfigError
 from fedtrain.observability.metrics import ServerMetrics
@@ -38,6 +49,48 @@ from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
 
 log = logging.getLogger(__name__)
+
+#: File descriptors kept free of site connections: logs, the audit log, checkpoints,
+#: gRPC's own, the metrics endpoint (each transfer in flight may add a journal file).
+FILES_RESERVED = 64
+
+
+def raise_file_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; the soft limit now.
+
+    A service manager starts a process with a soft limit of 1024 whatever the hard one
+    is, and every connected site holds a socket."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # pragma: no cover - a restricted sandbox
+            log.warning("could not raise the file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def site_capacity(config: ServerConfig, file_limit: int) -> int:
+    """How many sites may be connected at once: `max_sites`, within the file limit."""
+    room = file_limit - FILES_RESERVED - config.max_transfers
+    if room < 1:
+        raise ConfigError(
+            f"the file limit ({file_limit}) leaves no room for sites beside "
+            f"{FILES_RESERVED} files and max_transfers = {config.max_transfers}; raise the "
+            "limit (LimitNOFILE in the service unit, `ulimit -n`) or lower max_transfers"
+        )
+    if config.max_sites and config.max_sites > room:
+        log.warning(
+            "max_sites = %d, but the file limit (%d) leaves room for %d; admitting %d (raise "
+            "LimitNOFILE in the service unit, or `ulimit -Hn`)",
+            config.max_sites,
+            file_limit,
+            room,
+            room,
+        )
+    return min(config.max_sites, room) if config.max_sites else room
+
 
 INSECURE_WARNING = (
     "RUNNING WITHOUT TLS (--insecure): anyone who can reach %s can join as any site, "
@@ -86,6 +139,13 @@ class AggregationServer:
                 "server that lied about dropouts could unmask a site's update"
             )
         self.task = task or load_task(config.task, config.task_options)
+        # One fixed torch thread count: each thread that runs tensor work would otherwise
+        # grow its own team of helper threads.
+        torch.set_num_threads(config.cpu_threads)
+        self.max_sites = site_capacity(config, raise_file_limit())
+        self._cpu = futures.ThreadPoolExecutor(
+            config.cpu_threads, thread_name_prefix="fedtrain-cpu"
+        )
         self.run_dir = RunDir(config.run_dir)
         if not resume:
             self.run_dir.write_config(dataclasses.asdict(config))
@@ -120,8 +180,11 @@ class AggregationServer:
             self.audit,
             verifier=self._verifier,
             spool_dir=self.spool_dir,
+            cpu=self._cpu,
+            max_sites=self.max_sites,
         )
-        self._grpc: grpc.Server | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.port: int | None = None
@@ -135,11 +198,48 @@ class AggregationServer:
 
     def start(self) -> int:
         """Listen, start the round loop and the watchdog; returns the bound port."""
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=self.config.max_workers, thread_name_prefix="fedtrain-rpc"
-            ),
-            options=wire.channel_options(self.config.max_message_bytes),
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def serve() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+
+        thread = threading.Thread(target=serve, name="fedtrain-loop", daemon=True)
+        thread.start()
+        ready.wait()
+        self._loop = loop
+        self._threads.append(thread)
+        try:
+            port = asyncio.run_coroutine_threadsafe(self._listen(), loop).result()
+        except BaseException:
+            self.stop()
+            raise
+        self.port = port
+        coordinator = threading.Thread(
+            target=self.coordinator.run, name="fedtrain-coordinator", daemon=True
+        )
+        coordinator.start()
+        self._threads.append(coordinator)
+        log.info(
+            "serving run %s on port %d (%s), rounds %d..%d, up to %d sites, run dir %s",
+            self.coordinator.run_id,
+            port,
+            _transport(self.insecure, self.config.tls.verify_sites_in_handshake),
+            self.coordinator.global_model.round + 1,
+            self.config.rounds,
+            self.max_sites,
+            self.run_dir.path,
+        )
+        return port
+
+    async def _listen(self) -> int:
+        """On the loop: the gRPC server, listening, and the heartbeat watchdog."""
+        server = grpc.aio.server(
+            options=wire.server_options(
+                self.config.max_message_bytes, self.config.heartbeat.keepalive_s
+            )
         )
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
         address = self.config.address
@@ -154,47 +254,28 @@ class AggregationServer:
         if port == 0:
             raise ConfigError(f"cannot listen on address = {address!r} (in use or not local?)")
         if self.config.metrics_port:
-            try:
-                self.metrics_port = self.metrics.serve(
-                    self.config.metrics_address, self.config.metrics_port
-                )
-            except ConfigError:
-                server.stop(None)
-                raise
-        server.start()
+            self.metrics_port = self.metrics.serve(
+                self.config.metrics_address, self.config.metrics_port
+            )
+        await server.start()
         self._grpc = server
-        self.port = port
-        for target, name in (
-            (self.coordinator.run, "fedtrain-coordinator"),
-            (self._watch_heartbeats, "fedtrain-heartbeats"),
-        ):
-            thread = threading.Thread(target=target, name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
-        log.info(
-            "serving run %s on port %d (%s), rounds %d..%d, run dir %s",
-            self.coordinator.run_id,
-            port,
-            _transport(self.insecure, self.config.tls.verify_sites_in_handshake),
-            self.coordinator.global_model.round + 1,
-            self.config.rounds,
-            self.run_dir.path,
-        )
+        self._watchdog = asyncio.create_task(self._watch_heartbeats())
         return port
 
-    def _watch_heartbeats(self) -> None:
-        """Disconnect sites that went silent (a crashed host may never close its TCP
-        stream); also write the counts of repeated refusals whose window has passed."""
-        hb = self.config.heartbeat
-        while not self._stopping.wait(hb.interval_s):
+    async def _watch_heartbeats(self) -> None:
+        """Disconnect sites that went silent past their timeout (a host whose process
+        hangs may keep answering keepalive pings, which gRPC's C core does, for ever);
+        also write the counts of repeated refusals whose window has passed."""
+        while True:
+            await asyncio.sleep(self.config.heartbeat.interval_s)
             self.audit.flush_refusals()
-            for session in self.registry.silent_for(hb.timeout_s):
+            for session in self.registry.silent():
                 log.warning(
-                    "site %r sent nothing for %.0fs (heartbeat.timeout_s); disconnecting it",
+                    "site %r sent nothing for %.0fs (its heartbeat timeout); disconnecting it",
                     session.site,
-                    hb.timeout_s,
+                    session.timeout_s,
                 )
-                self.registry.remove(session, "heartbeat timeout")
+                self._cpu.submit(self.registry.remove, session, "heartbeat timeout")
 
     def _observe_round(self, record: dict[str, Any]) -> None:
         for observe in self._round_observers:
@@ -220,16 +301,31 @@ class AggregationServer:
         self.coordinator.stop()
         for session in self.registry.sessions():
             self.registry.remove(session, "server shutting down")
-        if self._grpc is not None:
-            self._grpc.stop(grace).wait()
+        loop = self._loop
+        if loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(grace), loop).result(grace + 10)
+            except Exception as exc:  # pragma: no cover - a handler stuck past the grace
+                log.warning("the gRPC server did not stop cleanly: %s", exc)
+            loop.call_soon_threadsafe(loop.stop)
         for thread in self._threads:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint
                 log.warning("thread %s did not stop within %.0fs", thread.name, grace + 5.0)
+        if loop is not None and not loop.is_running():
+            loop.close()
+        self._cpu.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
         self.audit.close()
+
+    async def _shutdown(self, grace: float) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
 
     def __enter__(self) -> AggregationServer:
         self.start()

@@ -2,31 +2,43 @@
 
 Every request from a site is untrusted. Admission checks the protocol version, the
 site's identity (with TLS, its certificate and its proof of holding the key:
-`peer_auth`), the allow-list and the task fingerprint; every refusal is audited with
-the peer's address and a one-word cause (`AuditLog.refusal`, throttled). Bulk RPCs
-must carry the token of a live control session and, with TLS, arrive on that
-session's connection. Uploads are validated, journaled and folded chunk by chunk (see
-`upload.py`); whatever is wrong becomes a gRPC status naming site, round and tensor,
-an audit record and a log line, and never an exception that escapes a handler.
+`peer_auth`), the allow-list, the task fingerprint and the server's capacity; every
+refusal is audited with the peer's address and a one-word cause (`AuditLog.refusal`,
+throttled). Bulk RPCs must carry the token of a live control session and, with TLS,
+arrive on that session's connection. Uploads are validated, journaled and folded
+chunk by chunk (see `upload.py`); whatever is wrong becomes a gRPC status naming site,
+round and tensor, an audit record and a log line, and never an exception that escapes
+a handler.
+
+The handlers are coroutines on the server's event loop (`grpc.aio`): a connected
+site costs a coroutine and a socket, never a thread. Work that takes the round's
+locks or the CPU (validating and folding chunks, protocol messages, joins and leaves,
+which reach the coordinator's state) runs on a small fixed pool (`cpu_threads`), so
+the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
+downloads and uploads moved at once, so journal memory and open files stay bounded
+however many sites there are.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import logging
-import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
 from fedtrain.runtime.admission import AdmissionGate, Refusal
+from fedtrain.runtime.async_rounds import BufferedRounds
 from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.coordinator import Coordinator
+from fedtrain.runtime.coordinator import Coordinator, GlobalModel
 from fedtrain.runtime.encoded_upload import DecodingSpool
 from fedtrain.runtime.peer_auth import (
     PeerCertificate,
@@ -36,22 +48,37 @@ from fedtrain.runtime.peer_auth import (
     new_nonce,
 )
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.sessions import Session, SessionRegistry
 from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
+from fedtrain.runtime.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
 
-_Message = TypeVar("_Message")
-_Reply = TypeVar("_Reply")
+_T = TypeVar("_T")
 _NO_ANSWER = Refusal("no_answer", "the peer closed the stream before it said who it is")
 
+#: All sites' heartbeats together stay under this many messages per second: a larger
+#: federation is told a longer interval when it joins (keepalive pings, answered by
+#: gRPC itself, and any bytes received are what keep a site alive in between).
+HEARTBEATS_PER_S = 200.0
+#: A site refused for capacity waits about this long (with jitter) before it retries.
+CAPACITY_RETRY_S = 30.0
+#: Models up to this size are encoded for the wire once per version and the same
+#: bytes are sent to every site; larger ones are encoded chunk by chunk per download
+#: (a second copy of a large model would cost more memory than the encoding saves).
+SHARED_DOWNLOAD_BYTES = 256 << 20
 
-class FedtrainServicer(pb_grpc.FedtrainServicer):
-    """Implements the Fedtrain service on top of a `Coordinator`."""
+
+def heartbeat_interval(configured_s: float, connected: int) -> float:
+    """The heartbeat period a site is told on joining (see `HEARTBEATS_PER_S`)."""
+    return max(configured_s, connected / HEARTBEATS_PER_S)
+
+
+class FedtrainServicer:
+    """Implements the Fedtrain service on top of a `Coordinator` (see the module doc)."""
 
     def __init__(
         self,
@@ -62,6 +89,8 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         *,
         verifier: PeerVerifier | None,
         spool_dir: Path,
+        cpu: Executor,
+        max_sites: int,
     ) -> None:
         self.config = config
         self.coordinator = coordinator
@@ -71,40 +100,62 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.verifier = verifier
         self.secure = verifier is not None
         self.spool_dir = spool_dir
+        #: Streams whose peer has not answered its challenge yet.
+        self.gate = AdmissionGate()
+        self.cpu = cpu
+        self.max_sites = max_sites
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
-        # Each site holds a worker thread for its control stream; keep room for transfers.
-        self.max_sites = max(1, config.max_workers // 2 - 1)
-        # ...and for peers that have not answered their challenge yet, only a few.
-        self.gate = AdmissionGate(max(4, config.max_workers // 4))
+        self.weights = WeightPolicy(config.weights)
+        self._transfer_slots: asyncio.Semaphore | None = None
+        self._downloads = SharedDownloads(config.chunk_bytes)
+
+    @property
+    def transfer_slots(self) -> asyncio.Semaphore:
+        """`max_transfers` slots, created on the server's loop at first use."""
+        if self._transfer_slots is None:
+            self._transfer_slots = asyncio.Semaphore(self.config.max_transfers)
+        return self._transfer_slots
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """`fn(*args)` on the CPU pool (it may take the round's locks or the CPU)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.cpu, functools.partial(fn, *args))
 
     # -- Control ----------------------------------------------------------------------------
-    def Control(
-        self, request_iterator: Iterator[pb.SiteMessage], context: grpc.ServicerContext
-    ) -> Iterator[pb.ServerMessage]:
+    async def Control(
+        self, request_iterator: AsyncIterator[pb.SiteMessage], context: grpc.aio.ServicerContext
+    ) -> None:
+        """A site's session: challenge, join, then messages both ways until it ends."""
         peer = context.peer()
-        first, nonce, refusal = yield from self._opening(
-            request_iterator, context, lambda c: pb.ServerMessage(challenge=c)
+        first, nonce, refusal = await self._opening(
+            context, lambda c: pb.ServerMessage(challenge=c)
         )
         if refusal is None and first.WhichOneof("kind") != "join":
             refusal = Refusal("no_join", "the first message on the control stream must be a Join")
-        admitted = refusal or self._admit(first.join, nonce)
+        admitted = refusal or await self._run(self._admit, first.join, nonce)
         if isinstance(admitted, Refusal):
             self._refuse_peer("join_refused", peer, admitted)
-            yield _reject(admitted.reason)
+            await context.write(_reject(admitted.reason, admitted.retry_after_s))
             return
         site, certificate = admitted
         if self.coordinator.finished.is_set():
-            yield pb.ServerMessage(shutdown=pb.Shutdown(reason="run complete"))
+            await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
-        session, replaced = self.registry.add(
-            site, peer, certificate=certificate.pem if certificate else b""
+        hb = self.config.heartbeat
+        interval = heartbeat_interval(hb.interval_s, len(self.registry) + 1)
+        session = Session(
+            site,
+            peer,
+            timeout_s=hb.timeout_s * interval / hb.interval_s,
+            certificate=certificate.pem if certificate else b"",
         )
+        session.open_outbox()
+        replaced = await self._run(self.registry.add, session)
         if replaced is not None:
-            self.registry.remove(replaced, "replaced by a new connection from the same site")
-        if not context.add_callback(lambda: self._end(session, "control stream closed")):
-            self._end(session, "control stream closed while joining")
-            return
+            await self._run(
+                self.registry.remove, replaced, "replaced by a new connection from the same site"
+            )
         log.info("site %r joined from %s", site, peer)
         identity = certificate.audit_fields() if certificate else {}
         self.audit.record(
@@ -114,24 +165,24 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             run_id=self.coordinator.run_id,
             session_token=session.token,
             site_name=site,
-            heartbeat_interval_s=self.config.heartbeat.interval_s,
+            heartbeat_interval_s=interval,
             chunk_bytes=self.config.chunk_bytes,
             secagg=self.config.secagg.enabled,
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
-        yield pb.ServerMessage(welcome=welcome)
-        threading.Thread(
-            target=self._read, args=(session, request_iterator), name=f"control-{site}", daemon=True
-        ).start()
-        while True:
-            message = session.outbox.get()
-            if message is None:
-                return
-            yield message
+        reader = asyncio.create_task(self._read(session, context))
+        try:
+            await context.write(pb.ServerMessage(welcome=welcome))
+            while (message := await session.next_message()) is not None:
+                await context.write(message)
+        finally:  # the site left, the stream broke (keepalive), or the server stops
+            reader.cancel()
+            self._leave(session, "control stream closed")
 
     def _admit(self, join: pb.Join, nonce: bytes) -> tuple[str, PeerCertificate | None] | Refusal:
-        """(site name, its verified certificate) if the site may join, else the refusal."""
+        """(site name, its verified certificate) if the site may join, else the refusal.
+        On the CPU pool: it verifies a signature and a certificate chain."""
         if join.protocol_version != wire.PROTOCOL_VERSION:
             return Refusal(
                 "protocol_version",
@@ -163,61 +214,66 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     site=join.site_name or None,
                 )
         details = certificate.audit_fields() if certificate else {}
-        reason = self._join_rules(site, join)
-        if reason is not None:
-            return Refusal(reason[0], reason[1], site=site, details=details)
+        refusal = self._join_rules(site, join)
+        if refusal is not None:
+            refusal.site, refusal.details = site, details
+            return refusal
         return site, certificate
 
-    def _join_rules(self, site: str, join: pb.Join) -> tuple[str, str] | None:
-        """(cause, reason) if the identified `site` may not join now, else None."""
+    def _join_rules(self, site: str, join: pb.Join) -> Refusal | None:
+        """Why the identified `site` may not join now, or None."""
         allowed = self.config.allowed_sites
         if allowed and site not in allowed:
-            return "not_allowed", (
+            return Refusal(
+                "not_allowed",
                 f"site {site!r} is not on this server's allowed_sites ({', '.join(allowed)}); "
-                "the server operator must add it to server.toml"
+                "the server operator must add it to server.toml",
             )
         if join.task_fingerprint != self.coordinator.fingerprint:
-            return "task_fingerprint", (
+            return Refusal(
+                "task_fingerprint",
                 f"task fingerprint mismatch: site {site!r} runs fingerprint "
                 f"{join.task_fingerprint or '(none)'}, the server runs "
                 f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
-                "same task code and version at the site"
+                "same task code and version at the site",
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
-            return "secagg_unsupported", (
+            return Refusal(
+                "secagg_unsupported",
                 f"site {site!r} does not speak the secure aggregation this server runs "
                 f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
-                "fedtrain version; install the same fedtrain version as the server at the site"
+                "fedtrain version; install the same fedtrain version as the server at the site",
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return "capacity", (
-                f"the server is at capacity ({self.max_sites} sites); the operator must "
-                "raise max_workers in server.toml"
+            return Refusal(
+                "capacity",
+                f"the server is at capacity ({self.max_sites} sites connected); retry later. "
+                "The operator can raise max_sites in server.toml, or the server's file limit "
+                "(LimitNOFILE in its service unit)",
+                retry_after_s=CAPACITY_RETRY_S,
             )
         return None
 
-    def _opening(
-        self,
-        requests: Iterator[_Message],
-        context: grpc.ServicerContext,
-        challenge: Callable[[pb.Challenge], _Reply],
-    ) -> Generator[_Reply, None, tuple[_Message, bytes, None] | tuple[None, bytes, Refusal]]:
+    async def _opening(
+        self, context: grpc.aio.ServicerContext, challenge: Callable[[pb.Challenge], Any]
+    ) -> tuple[Any, bytes, None] | tuple[None, bytes, Refusal]:
         """Challenge the peer (with TLS) and read its first message, holding a slot of
         the admission gate meanwhile: (first message, nonce, None) or (None, _, why not)."""
         if self.verifier is None:
-            first = _first(requests)
+            first = await _first(context)
             return (first, b"", None) if first is not None else (None, b"", _NO_ANSWER)
-        with self.gate.pending(context.peer(), context.cancel) as slot:
+        with self.gate.pending(context.peer()) as slot:
             if not slot.granted:
                 return None, b"", self._busy()
             nonce = new_nonce()
-            yield challenge(pb.Challenge(nonce=nonce))
-            first = _first(requests)
+            await context.write(challenge(pb.Challenge(nonce=nonce)))
+            try:
+                first = await asyncio.wait_for(_first(context), self.gate.timeout_s)
+            except TimeoutError:
+                timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
+                return None, nonce, Refusal("timeout", timeout)
         if first is not None:
             return first, nonce, None
-        if slot.expired:
-            timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
-            return None, nonce, Refusal("timeout", timeout)
         return None, nonce, _NO_ANSWER
 
     def _check_proof(
@@ -258,11 +314,11 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 refusal.reason,
             )
 
-    def _read(self, session: Session, request_iterator: Iterator[pb.SiteMessage]) -> None:
-        """Consume a site's control messages (its own thread: the handler is busy sending)."""
+    async def _read(self, session: Session, context: grpc.aio.ServicerContext) -> None:
+        """Consume a site's control messages (a task beside the handler that sends)."""
         reason = "control stream ended by the site"
         try:
-            for message in request_iterator:
+            while (message := await context.read()) is not grpc.aio.EOF:
                 session.touch()
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
@@ -275,17 +331,16 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     self.audit.record(
                         "site_error", site=session.site, round=err.round, message=err.message
                     )
-                    self.coordinator.site_failed(session, err.round, err.message)
+                    await self._run(self.coordinator.site_failed, session, err.round, err.message)
                 elif kind == "secagg":
-                    self._secagg(session, message.secagg)
+                    await self._run(self._secagg, session, message.secagg)
                 else:
                     reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
                     log.warning("site %r: %s", session.site, reason)
                     break
         except grpc.RpcError:
             reason = "control stream broke"
-        finally:
-            self._end(session, reason)
+        self._leave(session, reason)
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
@@ -303,16 +358,20 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 "secagg_refused", site=session.site, round=message.round, reason=str(exc)
             )
 
-    def _end(self, session: Session, reason: str) -> None:
-        self.registry.remove(session, reason)  # idempotent; the server audits every leave
+    def _leave(self, session: Session, reason: str) -> None:
+        """End the session (idempotent; the server audits every leave). Not awaited: it
+        runs on the pool (leave listeners reach the round's state) even while the
+        stream's handler is being torn down."""
+        if not session.closed:
+            self.cpu.submit(self.registry.remove, session, reason)
 
     # -- bulk transfers ----------------------------------------------------------------------
-    def _session(self, token: str, context: grpc.ServicerContext, what: str) -> Session:
+    async def _session(self, token: str, context: grpc.aio.ServicerContext, what: str) -> Session:
         """The live session a bulk request belongs to: its token names it and, with TLS,
         the request travels on the connection that session authenticated."""
         session = self.registry.by_token(token)
         if session is None:
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 "unknown_session",
@@ -320,7 +379,7 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 "the server restarted); the site must rejoin on its control stream first",
             )
         if self.secure and session.peer != context.peer():
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
                 "other_connection",
@@ -331,11 +390,13 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         session.touch()
         return session
 
-    def _require_session_connection(self, context: grpc.ServicerContext, what: str) -> None:
+    async def _require_session_connection(
+        self, context: grpc.aio.ServicerContext, what: str
+    ) -> None:
         """With TLS, refuse a stream before reading from it unless its connection holds a
-        session: an unauthenticated peer must not hold a worker thread here."""
+        session: an unauthenticated peer gets nothing read or buffered here."""
         if self.secure and self.registry.by_peer(context.peer()) is None:
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.UNAUTHENTICATED,
                 "no_session",
@@ -343,9 +404,9 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 "prove its identity on its control stream first, then use the same channel)",
             )
 
-    def _deny(
+    async def _deny(
         self,
-        context: grpc.ServicerContext,
+        context: grpc.aio.ServicerContext,
         code: grpc.StatusCode,
         cause: str,
         message: str,
@@ -358,48 +419,52 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             "request_refused", peer=peer, cause=cause, code=code.name, site=site, reason=message
         ):
             log.warning("refused: %s", message)
-        _abort(context, code, message)
+        await _abort(context, code, message)
 
-    def DownloadModel(
-        self, request: pb.ModelRequest, context: grpc.ServicerContext
-    ) -> Iterator[pb.ModelPiece | object]:
-        session = self._session(request.session_token, context, "model download")
-        model = self.coordinator.model_for_download(session, request.version)
+    async def DownloadModel(
+        self, request: pb.ModelRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | Chunk | pb.ModelPiece]:
+        session = await self._session(request.session_token, context, "model download")
+        model = await self._run(self.coordinator.model_for_download, session, request.version)
         if model is None:
             current = self.coordinator.global_model
-            _abort(
+            await _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {session.site!r} asked for model {request.version[:12]}, but the current "
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
-        yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
-        for chunk in model.state.chunks(self.config.chunk_bytes):
-            self.coordinator.transfers.add(sent=len(chunk.data))
-            yield chunk  # serialized straight from the tensor's memory (wire.serialize_stream_item)
+        async with self.transfer_slots:
+            yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
+            for piece, size in await self._downloads.pieces(model, self._run):
+                self.coordinator.transfers.add(sent=size)
+                session.touch()
+                yield piece  # bytes or a Chunk: wire.serialize_stream_item
 
-    def UploadUpdate(
-        self, request_iterator: Iterator[pb.UpdateChunk], context: grpc.ServicerContext
+    async def UploadUpdate(
+        self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
     ) -> pb.UploadReceipt:
-        self._require_session_connection(context, "upload")
+        await self._require_session_connection(context, "upload")
         try:
-            first = next(request_iterator)
-        except StopIteration:
-            self._deny(
+            first = await anext(request_iterator)
+        except StopAsyncIteration:
+            await self._deny(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "no_header", "empty upload: no header"
             )
         except grpc.RpcError:
             return pb.UploadReceipt()  # the site cancelled before sending anything
         if isinstance(first, Chunk) or first.WhichOneof("kind") != "header":
-            self._deny(
+            await self._deny(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "no_header",
                 "an upload must start with its header",
             )
         header = first.header
-        session = self._session(header.session_token, context, f"upload for round {header.round}")
+        session = await self._session(
+            header.session_token, context, f"upload for round {header.round}"
+        )
         state = self.coordinator.current
         where = f"site {session.site!r}, round {header.round}"
         try:
@@ -408,65 +473,46 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"{where}: no round is in progress; update dropped",
                 )
-            secure = isinstance(state, SecureRoundState)
-            if header.masked != secure:
-                raise UploadRefused(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{where}: "
-                    + (
-                        "this round runs secure aggregation; a plain (unmasked) update is refused"
-                        if secure
-                        else "a masked update, but this round does not run secure aggregation"
-                    ),
-                )
-            if not header.masked and (header.codec or "none") != self.codec.name:
-                raise UploadRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: update encoded with codec {header.codec or 'none'!r}, but this "
-                    f"server decodes compression.codec = {self.codec.name!r} (sites learn it "
-                    "when they join: a site that joined another server must reconnect)",
-                )
-            if not header.masked and header.num_examples < 1:
-                raise UploadRefused(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: num_examples must be >= 1 (it weights the update), got "
-                    f"{header.num_examples}",
-                )
-            state.admit(session, header.round, header.model_version)
+            self._check_header(state, header, where)
+            await self._run(state.admit, session, header.round, header.model_version)
         except UploadRefused as exc:
-            self._refuse(context, session, header.round, exc.code, str(exc))
-        try:
-            if isinstance(state, SecureRoundState):
-                received = self._receive_masked(state, session, header, request_iterator)
-            else:
-                received = self._receive(state, session, header, request_iterator)
-        except grpc.RpcError:
-            state.abandon(session.site)
-            log.warning("%s: the upload stream broke off; partial update discarded", where)
-            self.audit.record("upload_aborted", site=session.site, round=header.round)
-            return pb.UploadReceipt()
-        except UploadRefused as exc:
-            state.abandon(session.site)
-            self._refuse(context, session, header.round, exc.code, str(exc))
-        except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-            state.abandon(session.site)
-            self._refuse(
-                context,
-                session,
-                header.round,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: update rejected: {exc}",
-            )
-        except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-            state.abandon(session.site)
-            log.exception("%s: the upload failed on the server", where)
-            self._refuse(
-                context,
-                session,
-                header.round,
-                grpc.StatusCode.INTERNAL,
-                f"{where}: the server failed to store the update ({exc}); it may be retried",
-            )
+            await self._refuse(context, session, header.round, exc.code, str(exc))
+        assert state is not None
+        weight = None if header.masked else await self._weigh(state, session, header, context)
+        async with self.transfer_slots:
+            try:
+                if weight is None:
+                    assert isinstance(state, SecureRoundState)
+                    received = await self._receive_masked(state, session, header, request_iterator)
+                else:
+                    received = await self._receive(state, session, header, weight, request_iterator)
+            except (grpc.RpcError, asyncio.CancelledError):
+                log.warning("%s: the upload stream broke off; partial update discarded", where)
+                self.audit.record("upload_aborted", site=session.site, round=header.round)
+                await asyncio.shield(self._run(state.abandon, session.site))
+                return pb.UploadReceipt()
+            except UploadRefused as exc:
+                await self._run(state.abandon, session.site)
+                await self._refuse(context, session, header.round, exc.code, str(exc))
+            except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
+                await self._run(state.abandon, session.site)
+                await self._refuse(
+                    context,
+                    session,
+                    header.round,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{where}: update rejected: {exc}",
+                )
+            except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
+                await self._run(state.abandon, session.site)
+                log.exception("%s: the upload failed on the server", where)
+                await self._refuse(
+                    context,
+                    session,
+                    header.round,
+                    grpc.StatusCode.INTERNAL,
+                    f"{where}: the server failed to store the update ({exc}); it may be retried",
+                )
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -480,25 +526,97 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             bytes=received,
             num_examples=header.num_examples,
             masked=header.masked,
+            **({} if weight is None else {"num_examples_counted": weight.weight}),
         )
-        return pb.UploadReceipt(round=header.round, bytes_received=received)
+        return pb.UploadReceipt(
+            round=header.round,
+            bytes_received=received,
+            num_examples_counted=0 if weight is None else weight.weight,
+            notice="" if weight is None else weight.reason,
+        )
 
-    def _receive(
+    async def _weigh(
         self,
-        state: RoundState,
+        state: RoundState | BufferedRounds,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
-    ) -> int:
-        """Validate, journal and fold one upload as it arrives; returns the bytes received.
+        context: grpc.aio.ServicerContext,
+    ) -> WeightDecision:
+        """What a plain update's declared example count may count for (`weights.py`),
+        decided before any of its chunks is received; a refusal or a clip is audited."""
+        try:
+            decision = self.weights.admit(session.site, header.num_examples)
+        except WeightRefused as exc:
+            await self._run(state.abandon, session.site)
+            self._audit_weight("weight_refused", session, header.round, exc.decision)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"site {session.site!r}, round {header.round}: {exc}",
+            )
+        if decision.over:
+            log.warning("site %r, round %d: %s", session.site, header.round, decision.reason)
+            self._audit_weight("weight_clipped", session, header.round, decision)
+        return decision
 
-        On any failure the folded chunks are taken back out while the journal still
-        exists (the caller's `abandon` then finds nothing left to undo). An encoded
-        upload (`[compression]`) is journaled as its codec's parts and folded decoded
-        once whole.
+    def _audit_weight(
+        self, event: str, session: Session, server_round: int, decision: WeightDecision
+    ) -> None:
+        self.audit.record(
+            event,
+            site=session.site,
+            round=server_round,
+            num_examples=decision.declared,
+            limit=decision.limit,
+            rule=decision.rule.value,
+            reason=decision.reason,
+        )
+
+    def _check_header(self, state: Any, header: pb.UploadHeader, where: str) -> None:
+        """Refuse a header that cannot belong to the round in progress."""
+        secure = isinstance(state, SecureRoundState)
+        if header.masked != secure:
+            raise UploadRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: "
+                + (
+                    "this round runs secure aggregation; a plain (unmasked) update is refused"
+                    if secure
+                    else "a masked update, but this round does not run secure aggregation"
+                ),
+            )
+        if not header.masked and (header.codec or "none") != self.codec.name:
+            raise UploadRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: update encoded with codec {header.codec or 'none'!r}, but this "
+                f"server decodes compression.codec = {self.codec.name!r} (sites learn it "
+                "when they join: a site that joined another server must reconnect)",
+            )
+        if not header.masked and header.num_examples < 1:
+            raise UploadRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: num_examples must be >= 1 (it weights the update), got "
+                f"{header.num_examples}",
+            )
+
+    async def _receive(
+        self,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        weight: WeightDecision,
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+    ) -> int:
+        """Validate and journal one upload as it arrives, and fold it from its journal
+        once whole, with the weight the policy let through; returns the bytes received.
+
+        An upload that fails on the way was never folded, so it leaves no trace in the
+        round's sum. An encoded upload (`[compression]`) is journaled as its codec's
+        parts and folded decoded.
         """
         specs = self.coordinator.global_model.state.specs
-        weight = float(header.num_examples)
         spool = (
             UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
             if self.codec.name == "none"
@@ -506,23 +624,37 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                 self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
             )
         )
-        with spool:
-            try:
-                for chunk in self._chunks(session, header, request_iterator):
-                    state.fold(session.site, spool, spool.add(chunk), weight)
-                spool.finish()
-                state.commit(session, spool, header.num_examples, dict(header.metrics))
-            except BaseException:
-                state.abandon(session.site)
-                raise
-            return spool.bytes_received
 
-    def _receive_masked(
+        def journal(chunk: Chunk) -> None:
+            if state.closed:  # e.g. the deadline passed: stop receiving at once
+                raise UploadRefused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"site {session.site!r}, round {header.round}: the round closed "
+                    "while the update was being received; update dropped",
+                )
+            spool.add(chunk)
+
+        def finish() -> None:
+            spool.finish()
+            state.commit(session, spool, weight.weight, dict(header.metrics))
+
+        try:
+            async for chunk in self._chunks(session, header, request_iterator):
+                await self._run(journal, chunk)
+            await self._run(finish)
+        except BaseException:
+            await asyncio.shield(self._run(state.abandon, session.site))
+            raise
+        finally:
+            await asyncio.shield(self._run(spool.close))
+        return spool.bytes_received
+
+    async def _receive_masked(
         self,
         state: SecureRoundState,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
     ) -> int:
         """Validate a masked vector chunk by chunk and fold each into the secure sum at once
         (no spool: it is uniformly random, and a broken stream is taken back out)."""
@@ -531,19 +663,19 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
             self.config.chunk_bytes,
             lambda offset, values: state.fold_masked(session, offset, values),
         )
-        for chunk in self._chunks(session, header, request_iterator):
-            upload.add(chunk)
+        async for chunk in self._chunks(session, header, request_iterator):
+            await self._run(upload.add, chunk)
         upload.finish()
         return upload.bytes_received
 
-    def _chunks(
+    async def _chunks(
         self,
         session: Session,
         header: pb.UploadHeader,
-        request_iterator: Iterator[pb.UpdateChunk],
-    ) -> Iterator[Chunk]:
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+    ) -> AsyncIterator[Chunk]:
         """The chunks after an upload's header (counted as received); a second header is refused."""
-        for message in request_iterator:
+        async for message in request_iterator:
             chunk = wire.stream_chunk(message)
             if chunk is None:
                 raise UploadRefused(
@@ -551,11 +683,12 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
             self.coordinator.transfers.add(received=len(chunk.data))
+            session.touch()
             yield chunk
 
-    def _refuse(
+    async def _refuse(
         self,
-        context: grpc.ServicerContext,
+        context: grpc.aio.ServicerContext,
         session: Session,
         server_round: int,
         code: grpc.StatusCode,
@@ -565,42 +698,79 @@ class FedtrainServicer(pb_grpc.FedtrainServicer):
         self.audit.record(
             "upload_rejected", site=session.site, round=server_round, code=code.name, reason=message
         )
-        _abort(context, code, message)
+        await _abort(context, code, message)
 
     # -- Status ------------------------------------------------------------------------------
-    def Status(
-        self, request_iterator: Iterator[pb.StatusRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.StatusMessage]:
+    async def Status(
+        self, request_iterator: AsyncIterator[pb.StatusRequest], context: grpc.aio.ServicerContext
+    ) -> None:
         """The run's state, for any certificate the federation CA issued (an operator
         need not be on the allow-list: it can ask, never join)."""
         peer = context.peer()
-        first, nonce, refusal = yield from self._opening(
-            request_iterator, context, lambda c: pb.StatusMessage(challenge=c)
+        first, nonce, refusal = await self._opening(
+            context, lambda c: pb.StatusMessage(challenge=c)
         )
         if refusal is None and self.verifier is not None:
-            checked = self._check_proof(first, "status", nonce)
+            checked = self._check_proof(first, "status", nonce)  # ~2 ms: no pool queue
             refusal = checked if isinstance(checked, Refusal) else None
         if refusal is not None:
             self._refuse_peer("status_refused", peer, refusal)
-            _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
-        state = status.server_state(self.coordinator, self.registry)
-        yield pb.StatusMessage(reply=status.to_proto(state))
+            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
+        page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
+        # On the loop, not the pool: a snapshot takes no round lock (milliseconds even
+        # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
+        state = status.server_state(self.coordinator, self.registry, page)
+        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
 
 
-def _first(requests: Iterator[_Message]) -> _Message | None:
+class SharedDownloads:
+    """The current model's wire encoding, made once per version for small models.
+
+    Thousands of sites downloading the same 400 KB model each round would otherwise
+    encode (copy) it thousands of times; with it, each chunk's bytes are built once and
+    the same object is handed to every site's stream.
+    """
+
+    def __init__(self, chunk_bytes: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._version = ""
+        self._encoded: asyncio.Future[list[tuple[bytes, int]]] | None = None
+
+    async def pieces(
+        self, model: GlobalModel, run: Callable[..., Any]
+    ) -> Iterable[tuple[bytes | Chunk, int]]:
+        """(what to yield, tensor bytes) for every chunk of `model`."""
+        if model.state.nbytes > SHARED_DOWNLOAD_BYTES:
+            return ((c, len(c.data)) for c in model.state.chunks(self.chunk_bytes))
+        if self._version != model.version or self._encoded is None:
+            self._version = model.version
+            self._encoded = asyncio.ensure_future(run(self._encode, model))
+        return await asyncio.shield(self._encoded)
+
+    def _encode(self, model: GlobalModel) -> list[tuple[bytes, int]]:
+        return [
+            (wire.encode_chunk_message(c), len(c.data))
+            for c in model.state.chunks(self.chunk_bytes)
+        ]
+
+
+async def _first(context: grpc.aio.ServicerContext) -> Any:
     """The first message of a request stream; None if the peer ended or cancelled it."""
     try:
-        return next(requests)
-    except (StopIteration, grpc.RpcError):
+        message = await context.read()
+    except grpc.RpcError:
         return None
+    return None if message is grpc.aio.EOF else message
 
 
-def _reject(reason: str) -> pb.ServerMessage:
-    return pb.ServerMessage(reject=pb.Reject(reason=reason))
+def _reject(reason: str, retry_after_s: float = 0.0) -> pb.ServerMessage:
+    return pb.ServerMessage(reject=pb.Reject(reason=reason, retry_after_s=retry_after_s))
 
 
-def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
+async def _abort(
+    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
+) -> NoReturn:
+    await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 

@@ -1,19 +1,21 @@
 """The sites connected right now: one session per live control stream.
 
 A session owns the outbox its control stream drains, so the coordinator *pushes* an
-instruction by putting it there; nothing polls. Membership changes notify a
-condition the coordinator waits on, and leave listeners turn a vanished site into a
-dropout of the round in progress.
+instruction by putting it there; nothing polls. The outbox is an asyncio queue on the
+server's event loop (a site costs a coroutine, not a thread); `Session.send` may be
+called from any thread. Membership changes notify a condition the coordinator waits
+on, and leave listeners turn a vanished site into a dropout of the round in progress.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from fedtrain.runtime import wire
@@ -44,17 +46,45 @@ class Session:
     token: str = field(default_factory=new_session_token)
     joined_at: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
-    outbox: queue.SimpleQueue[pb.ServerMessage | None] = field(default_factory=queue.SimpleQueue)
+    #: How long the site may stay silent before it is disconnected: its heartbeat
+    #: interval grows with the federation's size (see `servicer.heartbeat_interval`).
+    timeout_s: float = 30.0
     closed: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""
+    _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
-    def send(self, message: pb.ServerMessage) -> None:
-        """Queue a message for the site; its control stream sends it at once."""
-        self.outbox.put(message)
+    def open_outbox(self) -> None:
+        """Bind the outbox to the running event loop (the control stream that drains it)."""
+        self._loop = asyncio.get_running_loop()
+        self._outbox = asyncio.Queue()
+
+    def send(self, message: pb.ServerMessage | None) -> None:
+        """Queue a message for the site, from any thread; its control stream sends it at
+        once. None ends the stream. A session without an outbox (never streamed) drops it."""
+        loop, outbox = self._loop, self._outbox
+        if loop is None or outbox is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped
+            loop.call_soon_threadsafe(outbox.put_nowait, message)
+
+    async def next_message(self) -> pb.ServerMessage | None:
+        """The next message to send (on the loop); None when the session ended."""
+        assert self._outbox is not None, "open_outbox() first"
+        return await self._outbox.get()
 
     def touch(self) -> None:
         self.last_seen = time.monotonic()
+
+
+def summarize_sites(names: Iterable[str], limit: int = 10) -> str:
+    """Site names for a log line: all of a few, the first `limit` and a count of many
+    (a round of thousands must not write a line of thousands of names)."""
+    names = list(names)
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"
 
 
 def instruct(
@@ -86,6 +116,7 @@ class SessionRegistry:
         self.changed = threading.Condition(self._lock)
         self._by_site: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self._by_peer: dict[str, Session] = {}  # connection (ip:port) -> its session
         self._listeners: list[LeaveListener] = []
         self._join_listeners: list[JoinListener] = []
         self._stopped = False
@@ -97,23 +128,21 @@ class SessionRegistry:
         """Call `listener(session)` after each new session is registered (outside the lock)."""
         self._join_listeners.append(listener)
 
-    def add(
-        self, site: str, peer: str, *, certificate: bytes = b""
-    ) -> tuple[Session, Session | None]:
-        """Register a new session for `site`; returns it and the session it replaced.
+    def add(self, session: Session) -> Session | None:
+        """Register a new session; returns the session of the same site it replaced.
 
         A site that reconnects before its old stream was noticed dead replaces it; the
         caller must `remove` the replaced one (which ends its stream).
         """
-        session = Session(site=site, peer=peer, certificate=certificate)
         with self._lock:
-            old = self._by_site.get(site)
-            self._by_site[site] = session
+            old = self._by_site.get(session.site)
+            self._by_site[session.site] = session
             self._by_token[session.token] = session
+            self._by_peer[session.peer] = session
             self.changed.notify_all()
         for listener in self._join_listeners:
             listener(session)
-        return session, old
+        return old
 
     def remove(self, session: Session, reason: str) -> bool:
         """End a session (idempotent). Listeners run outside the lock; True if it was live."""
@@ -124,8 +153,10 @@ class SessionRegistry:
             self._by_token.pop(session.token, None)
             if self._by_site.get(session.site) is session:
                 del self._by_site[session.site]
+            if self._by_peer.get(session.peer) is session:
+                del self._by_peer[session.peer]
             self.changed.notify_all()
-        session.outbox.put(None)  # ends the control stream's send loop
+        session.send(None)  # ends the control stream's send loop
         for listener in self._listeners:
             listener(session, reason)
         return True
@@ -137,7 +168,7 @@ class SessionRegistry:
     def by_peer(self, peer: str) -> Session | None:
         """The live session whose control stream came over the connection `peer`."""
         with self._lock:
-            return next((s for s in self._by_site.values() if s.peer == peer), None)
+            return self._by_peer.get(peer)
 
     def get(self, site: str) -> Session | None:
         with self._lock:
@@ -170,8 +201,8 @@ class SessionRegistry:
             self._stopped = True
             self.changed.notify_all()
 
-    def silent_for(self, timeout_s: float) -> list[Session]:
-        """Sessions whose last message is older than `timeout_s` seconds."""
-        cutoff = time.monotonic() - timeout_s
+    def silent(self) -> list[Session]:
+        """Sessions silent for longer than their own `timeout_s`."""
+        now = time.monotonic()
         with self._lock:
-            return [s for s in self._by_site.values() if s.last_seen < cutoff]
+            return [s for s in self._by_site.values() if now - s.last_seen > s.timeout_s]

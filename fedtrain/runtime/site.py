@@ -6,7 +6,9 @@ so the control stream stays responsive: download the global model (skipped when
 the version is cached), train with the task, upload the delta in chunks. Anything
 that breaks the connection sends the daemon back to reconnecting with exponential
 backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
-that restarts with `--resume` is simply rejoined.
+that restarts with `--resume` is simply rejoined. When the server says the run is
+complete the site waits for its next run, or, with `exit_when_done`, leaves (for
+scripts, CI and Kubernetes Jobs).
 
 A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
 instead of in this process (see `site_parallel`). The group is started before the
@@ -42,7 +44,7 @@ from fedtrain.errors import (
 )
 from fedtrain.parallel import TorchrunGroup
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
-from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site_data import site_data
@@ -63,10 +65,21 @@ from fedtrain.tensors import Chunk, ModelState, StateAssembler, chunk_values, to
 log = logging.getLogger(__name__)
 
 CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
+#: How long a stopping daemon waits for a job in flight to notice. A round training in
+#: this process cannot be interrupted, and its update is lost either way (the server
+#: counts this site as a dropout), so the daemon does not wait for it to finish.
+TRAINER_GRACE_S = 0.5
 
 
 class JoinRefused(FedtrainError):
-    """The server refused this site (allow-list, fingerprint, protocol version, ...)."""
+    """The server refused this site (allow-list, fingerprint, protocol version, ...).
+
+    `retry_after_s > 0` marks a temporary refusal (the server is at capacity): the site
+    then waits at least that long, so thousands of refused sites cannot hammer it."""
+
+    def __init__(self, reason: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class Backoff:
@@ -82,9 +95,13 @@ class Backoff:
         self._cap = min_s
         self._rng = np.random.default_rng()
 
-    def next(self) -> float:
+    def next(self, at_least_s: float = 0.0) -> float:
+        """The next delay; with `at_least_s` (a server's retry-after hint), that long plus
+        up to half as much again of jitter, if that is longer."""
         delay = float(self._rng.uniform(self.min_s, self._cap))
         self._cap = min(self.max_s, self._cap * 2)
+        if at_least_s > delay:
+            delay = float(self._rng.uniform(at_least_s, 1.5 * at_least_s))
         return delay
 
     def reset(self) -> None:
@@ -149,6 +166,9 @@ class SiteDaemon:
                 "this site trains in worker processes (devices/nproc/torchrun), which build "
                 "the task and data from site.toml: pass neither task= nor data="
             )
+        #: Set when the server said its run is complete; with `exit_when_done` the
+        #: daemon then stops, and connection failures after it are no news.
+        self.run_complete = False
         #: Set when the site cannot train any more (a torchrun group broke): `run()`
         #: returns and the CLI exits non-zero, so torchrun can restart the site.
         self.fatal: str | None = None
@@ -161,6 +181,7 @@ class SiteDaemon:
         self.model: nn.Module | None = None
         if self.group is None:
             if data is None:
+                log.info("building this site's training data (%s)", _data_source(config))
                 mine = site_data(self.task, config.data, self.name)
                 self.data, self.eval_data = mine.train, mine.test
             else:
@@ -197,8 +218,14 @@ class SiteDaemon:
         trainer.start()
         backoff = Backoff(self.config.reconnect.min_s, self.config.reconnect.max_s)
         last_failure = ""
+        log.info(
+            "connecting to the server at %s (%s)",
+            self.config.server,
+            "no TLS" if self.insecure else "mutual TLS",
+        )
         try:
             while not self._stop.is_set():
+                retry_after = 0.0
                 try:
                     self._session(backoff)
                     last_failure = ""
@@ -206,23 +233,29 @@ class SiteDaemon:
                     if self._stop.is_set():
                         break
                     failure = rpc.describe_rpc_error(exc)
-                    # Warn once per kind of failure; a server that stays down is one story.
-                    level = logging.INFO if failure == last_failure else logging.WARNING
+                    # Warn once per kind of failure; a server that stays down is one story,
+                    # and one that went away after completing its run is no news at all.
+                    quiet = failure == last_failure or self.run_complete
+                    level = logging.INFO if quiet else logging.WARNING
                     log.log(level, "connection to %s failed: %s", self.config.server, failure)
                     last_failure = failure
                 except JoinRefused as exc:
-                    log.error("the server refused this site: %s", exc)
+                    retry_after = exc.retry_after_s
+                    if retry_after:
+                        log.warning("the server cannot take this site now: %s", exc)
+                    else:
+                        log.error("the server refused this site: %s", exc)
                 except FedtrainError as exc:  # e.g. the server broke the protocol
                     log.error("session with %s failed: %s", self.config.server, exc)
                 if self._stop.is_set():
                     break
-                delay = backoff.next()
+                delay = backoff.next(retry_after)
                 log.info("reconnecting to %s in %.1fs", self.config.server, delay)
                 self._stop.wait(delay)
         finally:
             self.stop()
             self._close_group()  # first: it cuts a round in training short
-            trainer.join(timeout=5.0)
+            trainer.join(timeout=TRAINER_GRACE_S)
         log.info("site %r stopped", self.name)
 
     def _close_group(self) -> None:
@@ -247,7 +280,7 @@ class SiteDaemon:
 
     # -- the control stream ------------------------------------------------------------------
     def _channel(self) -> grpc.Channel:
-        options = wire.channel_options(self.config.max_message_bytes)
+        options = wire.site_channel_options(self.config.max_message_bytes)
         if self._identity is None:
             return grpc.insecure_channel(self.config.server, options=options)
         if self.config.tls.server_name:
@@ -307,9 +340,9 @@ class SiteDaemon:
                         )
                     self.secagg.handle(link, message.secagg)
                 elif kind == "reject":
-                    raise JoinRefused(message.reject.reason)
+                    raise JoinRefused(message.reject.reason, message.reject.retry_after_s)
                 elif kind == "shutdown":
-                    log.info("the server closed the session: %s", message.shutdown.reason)
+                    self._shutdown(message.shutdown.reason)
                     return
                 else:
                     log.warning("ignoring a %s message this site does not handle", kind)
@@ -324,6 +357,21 @@ class SiteDaemon:
             with self._lock:
                 self._call = None
 
+    def _shutdown(self, reason: str) -> None:
+        """The server ended the session on purpose; a complete run may end the daemon."""
+        if reason != wire.RUN_COMPLETE:
+            log.info("the server closed the session: %s", reason)
+            return
+        self.run_complete = True
+        if self.config.exit_when_done:
+            log.info("the server's run is complete; exiting (exit_when_done)")
+            self.stop()
+        else:
+            log.info(
+                "the server's run is complete; waiting for its next run (set "
+                "exit_when_done = true in site.toml, or pass --exit-when-done, to exit instead)"
+            )
+
     def _welcome(
         self, channel: grpc.Channel, outbox: queue.SimpleQueue[pb.SiteMessage | None], w: pb.Welcome
     ) -> Link:
@@ -336,6 +384,7 @@ class SiteDaemon:
             )
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         link.codec = self._codec(w)
+        self.run_complete = False  # a new run, or the same one resumed
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
             target=_heartbeat,
@@ -412,6 +461,8 @@ class SiteDaemon:
                 header.codec = link.codec.name
             receipt = self._upload(link, header, chunks)
             clock.mark("upload")
+            if receipt.notice:  # the server's weight policy clipped this site's weight
+                log.warning("round %d: the server says: %s", server_round, receipt.notice)
             self.rounds_trained += 1
             log.info(
                 "round %d: trained on %d examples, uploaded %d bytes (%s)",
@@ -604,6 +655,16 @@ class _PhaseClock:
 
     def __str__(self) -> str:
         return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self._phases)
+
+
+def _data_source(config: SiteConfig) -> str:
+    """Where this site's examples come from, for the start-up log."""
+    data = config.data
+    if data.source == "task":
+        return "the task's site_data hook"
+    if data.source in FILE_SOURCES:
+        return f"{data.source} files under {data.path}"
+    return f"part {data.partition} of {data.num_partitions}, {data.kind} split"
 
 
 def _drain(outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> Iterator[pb.SiteMessage]:

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset, Subset
 
 from fedtrain.datasources import holdout
 from fedtrain.errors import ConfigError, TaskError
-from fedtrain.partition import partition
+from fedtrain.partition import LABEL_PARTITIONERS, partition
 from fedtrain.runtime.config import FILE_SOURCES, DataConfig
 from fedtrain.task import SiteData, Task
 
@@ -90,7 +90,7 @@ def _hook_data(task: Task, config: DataConfig, site_name: str) -> SiteData:
 
 def _partition(task: Task, config: DataConfig, site_name: str) -> Dataset:
     train, _ = task.datasets()
-    needs_labels = config.kind in ("dirichlet", "shards")
+    needs_labels = config.kind in LABEL_PARTITIONERS
     labels = task.labels(train).numpy() if needs_labels else np.zeros(len(train))  # type: ignore[arg-type]
     parts = partition(
         config.kind,

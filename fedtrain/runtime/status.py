@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
@@ -26,8 +27,25 @@ if TYPE_CHECKING:
     from fedtrain.runtime.sessions import SessionRegistry
 
 
+#: Sites a Status reply lists unless asked for more (a federation may have thousands).
+DEFAULT_PAGE = 100
+
+
 class ServerUnreachable(FedtrainError):
     """`fedtrain status` could not get an answer from the server."""
+
+
+@dataclass(frozen=True)
+class SitePage:
+    """Which connected sites a snapshot lists, sorted by name: `limit` from `offset`
+    (None: all of them, for Prometheus)."""
+
+    offset: int = 0
+    limit: int | None = DEFAULT_PAGE
+
+    def of(self, names: list[str]) -> list[str]:
+        end = None if self.limit is None else self.offset + self.limit
+        return names[self.offset : end]
 
 
 def phase(coordinator: Coordinator, connected: int) -> str:
@@ -45,10 +63,15 @@ def phase(coordinator: Coordinator, connected: int) -> str:
     return "between_rounds"
 
 
-def server_state(coordinator: Coordinator, registry: SessionRegistry) -> ServerState:
-    """A snapshot of the federation (see the module docstring)."""
+def server_state(
+    coordinator: Coordinator, registry: SessionRegistry, page: SitePage | None = None
+) -> ServerState:
+    """A snapshot of the federation (see the module docstring); `page` picks the sites
+    it lists (default: every one)."""
     now = time.monotonic()
     sessions = registry.sessions()
+    by_name = {s.site: s for s in sessions}
+    listed = (page or SitePage(limit=None)).of(sorted(by_name))
     state = coordinator.current
     model = coordinator.global_model
     metrics = {
@@ -69,10 +92,11 @@ def server_state(coordinator: Coordinator, registry: SessionRegistry) -> ServerS
         model_version=model.version,
         finished=coordinator.finished.is_set(),
         sites=tuple(
-            SiteState(s.site, now - s.joined_at, now - s.last_seen)
-            for s in sorted(sessions, key=lambda s: s.site)
+            SiteState(name, now - by_name[name].joined_at, now - by_name[name].last_seen)
+            for name in listed
         ),
         last_metrics=metrics,
+        connected_sites=len(sessions),
     )
 
 
@@ -98,6 +122,7 @@ def to_proto(state: ServerState) -> pb.StatusReply:
             for s in state.sites
         ],
         last_metrics=dict(state.last_metrics),
+        connected_sites=state.connected,
     )
 
 
@@ -118,6 +143,7 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
             SiteState(s.name, s.connected_for_s, s.last_heartbeat_age_s) for s in reply.sites
         ),
         last_metrics=dict(reply.last_metrics),
+        connected_sites=reply.connected_sites,
     )
 
 
@@ -127,9 +153,13 @@ def fetch_status(
     *,
     server_name: str = "",
     timeout_s: float = 10.0,
+    page: SitePage | None = None,
 ) -> ServerState:
     """Ask the server at `address` for its state; `identity=None`: no TLS. With TLS the
-    server challenges first and `identity` answers (`peer_auth`)."""
+    server challenges first and `identity` answers (`peer_auth`). The reply lists the
+    sites of `page` (default: the first `DEFAULT_PAGE`)."""
+    page = page or SitePage()
+    paging = {"sites_offset": page.offset, "max_sites": page.limit or 0}
     options: list[tuple[str, str]] = []
     if identity is None:
         channel = grpc.insecure_channel(address, options=options)
@@ -139,7 +169,7 @@ def fetch_status(
         channel = grpc.secure_channel(address, identity.credentials, options=options)
     requests: queue.SimpleQueue[pb.StatusRequest | None] = queue.SimpleQueue()
     if identity is None:
-        requests.put(pb.StatusRequest())
+        requests.put(pb.StatusRequest(**paging))
     with channel:
         status = channel.stream_stream(
             rpc.method_path("Status"),
@@ -154,7 +184,7 @@ def fetch_status(
                 if message.WhichOneof("kind") == "challenge" and identity is not None:
                     name = server_name or dialled_host(address)
                     proof = identity.proof("status", message.challenge.nonce, name)
-                    requests.put(pb.StatusRequest(proof=proof))
+                    requests.put(pb.StatusRequest(proof=proof, **paging))
         except grpc.RpcError as exc:
             message = _unreachable(address, exc, tls=identity is not None)
             raise ServerUnreachable(message) from None

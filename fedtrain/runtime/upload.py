@@ -1,15 +1,16 @@
-"""One site's update on its way in: validated chunk by chunk, folded as it arrives, journaled.
+"""One site's update on its way in: validated chunk by chunk and journaled as it arrives.
 
-A plain update's chunks are folded into the round's streaming sum the moment they pass
-the checks (placement, size, finiteness), so the upload's receipt, its validation and
-the weighted add overlap on the wire's time, and two sites' uploads fold side by side
-(a lock per chunk, not per update). The price of folding before the update is known
-to be whole is that a stream which breaks off (a dropped connection, a missing
-tensor, the round's deadline) must be taken back out: every folded chunk is also kept
-in the upload's *journal*, and an aborted upload is subtracted back out of the sum
-from it. The undo leaves the sum equal to what it would have been without the upload
-up to float rounding (~1 ulp of the accumulator), the same size as the difference the
-order of arrival of uploads already makes.
+A plain update's chunks are checked the moment they arrive (placement, size,
+finiteness) and kept in the upload's *journal*; once the update is whole and the
+round accepts it (`RoundState.commit`), it is folded into the round's streaming sum
+from the journal, under the round's lock, in one go. An upload that breaks off (a
+dropped connection, a missing tensor, the round's deadline) or is refused was
+therefore never part of the sum: it leaves no trace, not even float rounding, and the
+round's sum is bit for bit what it would have been without it. Folding on arrival
+instead would overlap the weighted add with the wire's time, but taking a broken
+upload back out of a float sum by subtraction is not exact ((a + w x) - w x != a),
+so a refused update would leave a rounding-level trace; the fold from the journal
+costs one read of the update at commit (`benchmarks/RESULTS.md` has the figures).
 
 The journal keeps an upload's chunks in memory (the received buffers themselves, no
 copy) when the whole update fits in what is left of the server's `upload_memory_mb`
@@ -22,13 +23,13 @@ Memory: at most that budget plus O(chunk) per upload. On disk the journal costs 
 write at page-cache speed as long as the disk keeps up; when it does not (other
 writers) the writer is throttled to the disk's speed, which is why memory comes first.
 
-Aggregators that must see a whole update before using it (median, trimmed mean,
-Krum: not a `WeightedSum`) get the update from the journal once it is complete,
-under the round's lock, as before.
+Every aggregator gets the update the same way, so those that must see a whole
+update (median, trimmed mean, Krum, DP clipping, decoding) need nothing special.
 
 A secure-aggregation round's masked vector (`MaskedUpload`) needs no journal: it is
 uniformly random, so folding it into the modular sum as it arrives reveals nothing,
-and a stream that breaks is subtracted back out (`SecAggServer.abort_masked_input`).
+and a stream that breaks is subtracted back out (`SecAggServer.abort_masked_input`),
+exactly, since the sum is modular integer arithmetic.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 SPOOL_PREFIX = "upload-"
 SPOOL_SUFFIX = ".spool"
 
-#: One validated chunk as the aggregate takes it: (tensor name, first element, values).
+#: One journaled chunk as the aggregate takes it: (tensor name, first element, values).
 Piece = tuple[str, int, torch.Tensor]
 
 
@@ -82,16 +83,11 @@ class MemoryBudget:
 class UpdateSpool:
     """One update's validated chunks, journaled in memory or on disk as they arrive.
 
-    `add` checks a chunk, journals it and returns it as a `Piece` for the caller to
-    fold at once; `pieces` reads journaled chunks back (to undo a fold, or to fold a
-    whole update into an aggregator that needs it whole). The file is written and read
-    positionally (`os.pwrite`/`os.preadv`), so the round may read the journal back
-    under its lock while the receiving thread appends to it. Use as a context
-    manager: memory is given back and the file deleted on exit whatever happened.
+    `add` checks a chunk and journals it; `fold_into` folds the complete update into
+    an aggregator from the journal (`pieces` reads it back). The file is written and
+    read positionally (`os.pwrite`/`os.preadv`). Use as a context manager: memory is
+    given back and the file deleted on exit whatever happened.
     """
-
-    #: Its pieces are the model's own tensors, so they may be folded as they arrive.
-    foldable = True
 
     def __init__(
         self,
@@ -116,8 +112,6 @@ class UpdateSpool:
         self._written = 0
         self._largest = 0
         self._complete = False
-        #: How many of the journaled chunks have been folded (the round sets it).
-        self.folded = 0
 
     @property
     def bytes_received(self) -> int:
@@ -127,7 +121,7 @@ class UpdateSpool:
     def complete(self) -> bool:
         return self._complete
 
-    def add(self, chunk: Chunk) -> Piece:
+    def add(self, chunk: Chunk) -> None:
         """Validate one chunk (placement, size, finiteness) and journal its bytes."""
         check_chunk_size(chunk, self.max_chunk_bytes)
         spec = self._validator.check(chunk)
@@ -140,7 +134,6 @@ class UpdateSpool:
             self._append_to_file(data)
             self._index.append((spec.name, chunk.offset, len(data), None))
             self._largest = max(self._largest, len(data))
-        return spec.name, chunk.offset // values.element_size(), values
 
     def _append_to_file(self, data: memoryview) -> None:
         if self._fd < 0:
@@ -159,14 +152,14 @@ class UpdateSpool:
         self._validator.check_complete()
         self._complete = True
 
-    def pieces(self, count: int | None = None) -> Iterator[Piece]:
-        """The first `count` journaled chunks (all by default), read back in order.
+    def pieces(self) -> Iterator[Piece]:
+        """The journaled chunks, read back in the order they arrived.
 
         One buffer serves every piece: use each before asking for the next.
         """
         buffer = bytearray(self._largest)
         position = 0
-        for name, offset, size, kept in self._index[:count]:
+        for name, offset, size, kept in self._index:
             if kept is None:
                 view = memoryview(buffer)[:size]
                 got = os.preadv(self._fd, [view], position) if size else 0
@@ -180,11 +173,16 @@ class UpdateSpool:
             yield name, offset // dtype.itemsize, values
 
     def fold_into(self, aggregate: Aggregator, weight: float) -> None:
-        """Add `weight * update` into `aggregate` from the journal (a complete update)."""
+        """Add `weight * update` into `aggregate` from the journal (a complete update).
+
+        Each piece goes through the aggregator's `add_chunk` (it may stage or transform
+        chunks: clipping, decoding, staleness), which checks it against the model but
+        not again for NaN/Inf: `add` did, before the update could reach any sum."""
         if not self._complete:
             raise TensorStreamError("an incomplete upload cannot be aggregated")
-        for name, start, values in self.pieces():
-            aggregate.add_chunk(name, start, values, weight)
+        with aggregate.finite_known():
+            for name, start, values in self.pieces():
+                aggregate.add_chunk(name, start, values, weight)
         aggregate.commit(weight)
 
     def close(self) -> None:

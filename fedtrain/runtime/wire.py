@@ -35,6 +35,9 @@ HEADER_ALLOWANCE = 64 * 1024
 #: Its version moves whenever masks or stage messages change (2: AES-128 mask keystream),
 #: so a site of another version is refused at Join instead of corrupting the sum.
 SECAGG_CAPABILITY = "secagg/2"
+#: The reason of the Shutdown the server sends when its run is over: a site with
+#: `exit_when_done` exits on it, any other site waits for the server's next run.
+RUN_COMPLETE = "run complete"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -42,6 +45,47 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+#: Sites ping the server this often when their connection is quiet (HTTP/2 keepalive),
+#: so a site notices a dead server or a cut link without waiting for a message.
+SITE_KEEPALIVE_S = 30.0
+#: The server accepts a site's pings this often at most (gRPC's default, 5 minutes,
+#: would make it close the connection of a site pinging every SITE_KEEPALIVE_S).
+MIN_SITE_PING_INTERVAL_S = 10.0
+#: A connection with no call for this long is closed by the server (a refused site's,
+#: or one that never joined), so idle peers cannot hold its file descriptors.
+IDLE_CONNECTION_S = 120.0
+
+
+def server_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, Any]]:
+    """The server's options: chunk-sized messages, and liveness from HTTP/2 keepalive.
+
+    The server pings every connection every `keepalive_s` and closes one that does not
+    answer within as long again; gRPC does this in C, so liveness costs no Python work
+    per site (the control stream then ends and the site is gone)."""
+    ms = int(keepalive_s * 1000)
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_SITE_PING_INTERVAL_S * 1000)),
+        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+    ]
+
+
+def site_channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """A site's channel options: chunk-sized messages, keepalive pings to the server."""
+    ms = int(SITE_KEEPALIVE_S * 1000)
+    return [
+        *channel_options(max_message_bytes),
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 
@@ -236,8 +280,11 @@ def stream_chunk(item: Any) -> Chunk | None:
     return None
 
 
-def serialize_stream_item(item: Chunk | Any) -> bytes:
-    """gRPC serializer for ModelPiece / UpdateChunk streams: a Chunk or a message."""
+def serialize_stream_item(item: Chunk | bytes | Any) -> bytes:
+    """gRPC serializer for ModelPiece / UpdateChunk streams: a Chunk, a message, or one
+    already encoded (`encode_chunk_message`, shared by many streams)."""
     if isinstance(item, Chunk):
         return encode_chunk_message(item)
+    if isinstance(item, bytes):
+        return item
     return item.SerializeToString()

@@ -21,6 +21,7 @@ from fedtrain.secagg.graph import (
 )
 from fedtrain.secagg.messages import RoundParams
 from fedtrain.secagg.quantize import Quantizer, max_bits_for
+from fedtrain.secagg.round_ids import describe
 
 MAX_SITE_ID = (1 << 32) - 1
 
@@ -132,7 +133,7 @@ class SecAggConfig:
             raise SecAggError(f"secure aggregation needs at least 2 sites, got {len(ids)}")
         if len(ids) > self.max_clients:
             raise SecAggError(
-                f"round {round_id} has {len(ids)} sites but max_clients={self.max_clients}: "
+                f"{describe(round_id)} has {len(ids)} sites but max_clients={self.max_clients}: "
                 f"their sum could wrap; raise max_clients (and lower bits) or sample fewer"
             )
         if ids[0] < 1 or ids[-1] > MAX_SITE_ID:
@@ -143,7 +144,7 @@ class SecAggConfig:
             raise SecAggError(f"vector_length must be >= 1, got {vector_length}")
         if not 0 <= min_included <= len(ids):
             raise SecAggError(
-                f"round {round_id}: min_included = {min_included} must be in [0, {len(ids)}] "
+                f"{describe(round_id)}: min_included = {min_included} must be in [0, {len(ids)}] "
                 "(the round's sites); no sum of fewer could ever be unmasked"
             )
         k, t = self.degree_and_threshold(len(ids))

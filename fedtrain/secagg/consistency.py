@@ -95,6 +95,7 @@ from fedtrain.secagg import crypto
 from fedtrain.secagg.graph import components
 from fedtrain.secagg.identity import VerifiedPeer, Verifier, survivors_statement
 from fedtrain.secagg.messages import AdvertiseKeys, RoundParams
+from fedtrain.secagg.round_ids import describe
 
 COMMITMENT_BYTES = 32
 _DOMAIN = b"fedtrain/secagg/v1/holders"
@@ -142,7 +143,7 @@ def check_survivor_set(
     survivors: Sequence[int],
 ) -> None:
     """R1: whether ``site`` may sign ``survivors`` (U3); raises SecAggError naming why not."""
-    where = f"site {site}, round {params.round_id}"
+    where = f"site {site}, {describe(params.round_id)}"
     if list(survivors) != sorted(set(survivors)) or not set(survivors) <= set(graph):
         raise SecAggError(
             f"{where}: the survivor set is not a sorted subset of the sites that advertised keys"
@@ -195,7 +196,7 @@ def check_reveal(
     before its signature. Attestations are checked lazily, neighbours first, each at
     most once, until ``t`` per owner.
     """
-    where = f"site {site}, round {params.round_id}"
+    where = f"site {site}, {describe(params.round_id)}"
     extra: dict[int, AdvertiseKeys] = {}
     for advert in forwarded:
         if advert.site in extra:

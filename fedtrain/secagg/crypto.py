@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from fedtrain.errors import SecAggError
+from fedtrain.secagg.round_ids import describe
 
 KEY_BYTES = 32
 SEED_BYTES = 32
@@ -162,7 +163,7 @@ def decrypt_shares(
     """Inverse of :func:`encrypt_shares`; any tampering raises SecAggError."""
     if len(ciphertext) < NONCE_BYTES + 16:
         raise SecAggError(
-            f"round {round_id}: share ciphertext from site {sender} to {receiver} is "
+            f"{describe(round_id)}: share ciphertext from site {sender} to {receiver} is "
             f"truncated ({len(ciphertext)} bytes)"
         )
     try:
@@ -173,7 +174,7 @@ def decrypt_shares(
         )
     except InvalidTag as exc:
         raise SecAggError(
-            f"round {round_id}: shares from site {sender} to site {receiver} failed "
+            f"{describe(round_id)}: shares from site {sender} to site {receiver} failed "
             f"authentication (tampered, corrupted or misrouted); abort this round"
         ) from exc
 

@@ -70,6 +70,7 @@ from fedtrain.secagg.messages import (
     UnmaskShares,
 )
 from fedtrain.secagg.quantize import Quantizer
+from fedtrain.secagg.round_ids import describe
 
 logger = logging.getLogger(__name__)
 
@@ -95,25 +96,27 @@ def validate_params(params: RoundParams) -> Quantizer:
     """Checks every site (and the server) runs on the round's public parameters."""
     sites = params.sites
     if len(sites) < 2:
-        raise SecAggError(f"round {params.round_id}: needs at least 2 sites, got {len(sites)}")
+        raise SecAggError(f"{describe(params.round_id)}: needs at least 2 sites, got {len(sites)}")
     if list(sites) != sorted(set(sites)) or sites[0] < 1 or sites[-1] > MAX_SITE_ID:
         raise SecAggError(
-            f"round {params.round_id}: site ids must be sorted, distinct, in [1, 2^32 - 1]"
+            f"{describe(params.round_id)}: site ids must be sorted, distinct, in [1, 2^32 - 1]"
         )
     quantizer = params.quantizer()
     if len(sites) > quantizer.max_clients:
         raise SecAggError(
-            f"round {params.round_id}: {len(sites)} sites exceed max_clients="
+            f"{describe(params.round_id)}: {len(sites)} sites exceed max_clients="
             f"{quantizer.max_clients}; the sum could wrap"
         )
     if params.vector_length < 1:
-        raise SecAggError(f"round {params.round_id}: vector_length must be >= 1")
+        raise SecAggError(f"{describe(params.round_id)}: vector_length must be >= 1")
     if len(params.graph_seed) != GRAPH_SEED_BYTES:
-        raise SecAggError(f"round {params.round_id}: graph seed must be {GRAPH_SEED_BYTES} bytes")
+        raise SecAggError(
+            f"{describe(params.round_id)}: graph seed must be {GRAPH_SEED_BYTES} bytes"
+        )
     check_threshold(params.t, params.k, len(sites))
     if params.min_included > len(sites):
         raise SecAggError(
-            f"round {params.round_id}: min_included = {params.min_included} exceeds the "
+            f"{describe(params.round_id)}: min_included = {params.min_included} exceeds the "
             f"round's {len(sites)} sites"
         )
     return quantizer
@@ -269,7 +272,8 @@ class SecAggClient:
             raise SecAggError(f"site {self.site}: no round parameters")
         if round_id != params.round_id:
             raise SecAggError(
-                f"site {self.site}: message for round {round_id} during round {params.round_id}"
+                f"site {self.site}: message for {describe(round_id)} during "
+                f"{describe(params.round_id)}"
             )
         return params
 
@@ -280,7 +284,7 @@ class SecAggClient:
         if msg.site != self.site:
             raise SecAggError(f"site {self.site}: got a SetupRequest for site {msg.site}")
         params = msg.params
-        where = f"site {self.site}, round {params.round_id}"
+        where = f"site {self.site}, {describe(params.round_id)}"
         self._quantizer = validate_params(params)
         if self.site not in params.sites:
             raise SecAggError(f"site {self.site} is not among the round's sites")
@@ -322,7 +326,7 @@ class SecAggClient:
         """A neighbour's advertisement is signed by a verified identity (None: no identities)."""
         if self._verifier is None:
             return None
-        where = f"site {self.site}, round {params.round_id}"
+        where = f"site {self.site}, {describe(params.round_id)}"
         try:
             peer = self._verifier.verify(advert.site, advert.credential)
         except SecAggError as exc:
@@ -373,8 +377,8 @@ class SecAggClient:
             names = [peer.name for _, peer in self._known.values() if peer is not None]
             if len(set(names)) != len(names):
                 raise SecAggError(
-                    f"site {self.site}, round {params.round_id}: my neighbours are not distinct "
-                    f"sites (certified names {sorted(names)}); refusing to share keys"
+                    f"site {self.site}, {describe(params.round_id)}: my neighbours are not "
+                    f"distinct sites (certified names {sorted(names)}); refusing to share keys"
                 )
         self._alive = alive
         sealed = consistency.commitment(
@@ -541,7 +545,7 @@ class SecAggClient:
         want_dropped = sorted(set(self._held) - u3)
         if sorted(msg.survivors) != want_survivors or sorted(msg.dropped) != want_dropped:
             raise SecAggError(
-                f"site {self.site}, round {params.round_id}: the unmask request (survived "
+                f"site {self.site}, {describe(params.round_id)}: the unmask request (survived "
                 f"{sorted(msg.survivors)}, dropped {sorted(msg.dropped)}) contradicts the "
                 f"survivor set I signed (survived {want_survivors}, dropped {want_dropped}); "
                 "refusing to reveal"
@@ -643,24 +647,25 @@ class SecAggServer:
     def _fail(self, message: str) -> SecAggError:
         self._stage = Stage.FAILED
         self._journal.clear()
-        logger.warning("secagg round %d failed: %s", self.params.round_id, message)
-        return SecAggError(f"round {self.params.round_id}: {message}")
+        where = describe(self.params.round_id)
+        logger.warning("secure aggregation of %s failed: %s", where, message)
+        return SecAggError(f"{where}: {message}")
 
     def _check(self, msg: ClientMessage, stage: Stage, allowed: Iterable[int]) -> None:
         name = type(msg).__name__
         if msg.round_id != self.params.round_id:
             raise SecAggError(
-                f"{name} from site {msg.site} is for round {msg.round_id}, "
-                f"not {self.params.round_id}"
+                f"{name} from site {msg.site} is for {describe(msg.round_id)}, "
+                f"not {describe(self.params.round_id)}"
             )
         if self._stage != stage:
             raise SecAggError(
-                f"round {self.params.round_id}: {name} from site {msg.site} arrived in "
+                f"{describe(self.params.round_id)}: {name} from site {msg.site} arrived in "
                 f"stage {self._stage.name}; ignored (the site counts as dropped)"
             )
         if msg.site not in allowed:
             raise SecAggError(
-                f"round {self.params.round_id}: {name} from site {msg.site}, which is not "
+                f"{describe(self.params.round_id)}: {name} from site {msg.site}, which is not "
                 f"expected in stage {stage.name}"
             )
 
@@ -668,7 +673,7 @@ class SecAggServer:
     def start(self) -> dict[int, SetupRequest]:
         """The setup messages, one per site of the round."""
         if self._started:
-            raise SecAggError(f"round {self.params.round_id}: already started")
+            raise SecAggError(f"{describe(self.params.round_id)}: already started")
         self._started = True
         return {s: SetupRequest(s, self.params) for s in self.params.sites}
 
@@ -722,7 +727,10 @@ class SecAggServer:
             )
         self._graph = neighbour_graph(alive, p.k, p.graph_seed)
         logger.debug(
-            "secagg round %d: %d/%d sites advertised keys", p.round_id, len(alive), len(p.sites)
+            "secure aggregation, %s: %d/%d sites advertised keys",
+            describe(p.round_id),
+            len(alive),
+            len(p.sites),
         )
         return {
             u: KeysBroadcast(
@@ -760,9 +768,9 @@ class SecAggServer:
                     u2.discard(u)
                     changed = True
                     logger.info(
-                        "secagg round %d: site %d has fewer than t-1=%d neighbours that "
-                        "shared keys; excluded",
-                        p.round_id,
+                        "secure aggregation, %s: site %d has fewer than t-1=%d neighbours "
+                        "that shared keys; excluded",
+                        describe(p.round_id),
                         u,
                         p.t - 1,
                     )
@@ -772,7 +780,7 @@ class SecAggServer:
                 f"shared keys, t={p.t}); too many dropouts"
             )
         self._u2 = frozenset(u2)
-        logger.debug("secagg round %d: %d sites shared keys", p.round_id, len(u2))
+        logger.debug("secure aggregation, %s: %d sites shared keys", describe(p.round_id), len(u2))
         return {
             v: RoutedShares(
                 p.round_id,
@@ -792,20 +800,20 @@ class SecAggServer:
         """
         if self._stage != Stage.MASKED_INPUT:
             raise SecAggError(
-                f"round {self.params.round_id}: masked data from site {site} in stage "
+                f"{describe(self.params.round_id)}: masked data from site {site} in stage "
                 f"{self._stage.name}; ignored"
             )
         if site not in self._u2:
             raise SecAggError(
-                f"round {self.params.round_id}: masked data from site {site}, which did not "
+                f"{describe(self.params.round_id)}: masked data from site {site}, which did not "
                 f"take part in key sharing"
             )
         if site in self._u3:
-            raise SecAggError(f"round {self.params.round_id}: site {site} sent its input twice")
+            raise SecAggError(f"{describe(self.params.round_id)}: site {site} sent its input twice")
         expected = self._progress.get(site, 0)
         if offset != expected:
             raise SecAggError(
-                f"round {self.params.round_id}: site {site} chunk at offset {offset}, "
+                f"{describe(self.params.round_id)}: site {site} chunk at offset {offset}, "
                 f"expected {expected}"
             )
         chunk = np.asarray(chunk)
@@ -830,9 +838,9 @@ class SecAggServer:
             offset += chunk.shape[0]
         if chunks:
             logger.info(
-                "secagg round %d: site %d's masked input broke after %d of %d values; "
-                "treated as dropped",
-                self.params.round_id,
+                "secure aggregation, %s: site %d's masked input broke after %d of %d "
+                "values; treated as dropped",
+                describe(self.params.round_id),
                 site,
                 offset,
                 self._agg.length,
@@ -841,7 +849,7 @@ class SecAggServer:
     def _incomplete(self, site: int) -> SecAggError:
         self.abort_masked_input(site)
         return SecAggError(
-            f"round {self.params.round_id}: masked input of site {site} is shorter than "
+            f"{describe(self.params.round_id)}: masked input of site {site} is shorter than "
             f"{self._agg.length} values; dropped"
         )
 
@@ -892,8 +900,8 @@ class SecAggServer:
                 "would reveal each group's sum; too many dropouts"
             )
         logger.debug(
-            "secagg round %d: %d masked inputs, %d dropped after sharing",
-            p.round_id,
+            "secure aggregation, %s: %d masked inputs, %d dropped after sharing",
+            describe(p.round_id),
             len(u3),
             len(dropped),
         )
@@ -1011,7 +1019,7 @@ class SecAggServer:
     def advance(self) -> dict[int, ServerMessage]:
         """Close the current stage (late replies are dropouts); the next stage's messages."""
         if not self._started:
-            raise SecAggError(f"round {self.params.round_id}: call start() first")
+            raise SecAggError(f"{describe(self.params.round_id)}: call start() first")
         out: dict[int, ServerMessage]
         if self._stage == Stage.SETUP:
             out = dict(self._close_setup())
@@ -1023,7 +1031,7 @@ class SecAggServer:
             out = dict(self._close_consistency())
         else:
             raise SecAggError(
-                f"round {self.params.round_id}: cannot advance from stage {self._stage.name}"
+                f"{describe(self.params.round_id)}: cannot advance from stage {self._stage.name}"
                 + ("; call finish()" if self._stage == Stage.UNMASK else "")
             )
         skip = self._stage == Stage.MASKED_INPUT and not self.params.consistency_check
@@ -1034,7 +1042,7 @@ class SecAggServer:
         """Close the unmasking stage, remove every mask, return the sum."""
         p = self.params
         if self._stage != Stage.UNMASK:
-            raise SecAggError(f"round {p.round_id}: finish() in stage {self._stage.name}")
+            raise SecAggError(f"{describe(p.round_id)}: finish() in stage {self._stage.name}")
         u3 = sorted(self._u3)
         dropped = sorted(v for v in self._u2 - self._u3 if self._graph[v] & self._u3)
         short = [
@@ -1070,8 +1078,8 @@ class SecAggServer:
         self._stage = Stage.DONE
         included = tuple(u3)
         logger.info(
-            "secagg round %d: unmasked the sum of %d/%d sites",
-            p.round_id,
+            "secure aggregation, %s: unmasked the sum of %d/%d sites",
+            describe(p.round_id),
             len(included),
             len(p.sites),
         )

@@ -36,6 +36,7 @@ from fedtrain.errors import SecAggError
 from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.inmemory import Dropouts, run_in_memory
 from fedtrain.secagg.protocol import EncodedNoise, SecAggResult
+from fedtrain.secagg.round_ids import describe
 from fedtrain.strategy.aggregate import WeightedSum, accumulator_dtype
 from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
 
@@ -121,7 +122,7 @@ class UpdateLayout:
         values, total_weight = result.weighted_sum()
         if values.shape != (self.length,):
             raise SecAggError(
-                f"round {result.round_id}: the unmasked sum has {values.shape[0]} values, the "
+                f"{describe(result.round_id)}: the unmasked sum has {values.shape[0]} values, the "
                 f"model has {self.length} floating-point values"
             )
         slots = {name: (start, end) for name, start, end in self.slots}

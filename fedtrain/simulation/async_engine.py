@@ -110,10 +110,7 @@ class VirtualClients:
             client_id = self.idle.pop(int(self.rng.integers(len(self.idle))))
             self.jobs += 1
             index = self.population.index(client_id)
-            config = {
-                **self.strategy.round_config(self.jobs, client_id),
-                "version": self.version,
-            }
+            config = self.strategy.job_config(self.jobs, self.version, client_id)
             config = self.heterogeneity.client_config(index, config)
             duration = self.heterogeneity.job_duration(
                 index, self.population.size(client_id), config

@@ -11,7 +11,14 @@ from fedtrain.errors import ConfigError
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
-from fedtrain.strategy import Strategy, build_strategy
+from fedtrain.strategy import Schedule, Strategy, build_strategy
+from fedtrain.strategy.schedule import check_schedules
+
+#: What `client_schedule` means, in sim.toml and server.toml alike.
+SCHEDULE_DOC = (
+    "How `[client]` values change by round, one table per key, e.g. "
+    '`[client_schedule.lr]` with `decay = "cosine"` (see the client_schedule.KEY rows).'
+)
 
 #: SecAgg+'s stages, in the order `secagg.stage_dropouts` lists them.
 SECAGG_STAGES = ("setup", "share_keys", "masked_input", "consistency", "unmask")
@@ -19,21 +26,29 @@ SECAGG_STAGES = ("setup", "share_keys", "masked_input", "consistency", "unmask")
 
 @dataclass
 class PartitionConfig:
-    kind: Literal["iid", "dirichlet", "shards", "quantity"] = option(
-        "iid", "How the task's training set is split among clients."
+    kind: Literal["iid", "dirichlet", "shards", "labels", "quantity"] = option(
+        "iid",
+        "How the task's training set is split among clients: `iid`; `dirichlet` label skew; "
+        "`shards`, McMahan et al.'s sort-and-shard (`labels_per_client` shards of the "
+        "label-sorted data, so 1 to 2x that many labels); `labels`, exactly "
+        "`labels_per_client` labels each; `quantity` (size skew).",
     )
     alpha: float = option(
         0.5, "Dirichlet concentration for `dirichlet` (label skew) and `quantity` (size skew)."
     )
-    labels_per_client: int = option(2, "Labels (shards) each client holds for `shards`.")
+    labels_per_client: int = option(
+        2, "`labels`: labels each client holds; `shards`: shards each client holds."
+    )
 
 
 @dataclass
 class StrategyConfig:
     name: str = option(
         "fedavg",
-        "Server algorithm (see fedtrain.strategy.STRATEGIES); `fedbuff` runs asynchronously: "
-        "clients train continuously and every `buffer_size` updates make a new model version.",
+        "Server algorithm (see fedtrain.strategy.STRATEGIES), or your own Strategy subclass "
+        "as 'package.module:ClassName' (README: 'Your own strategy'); `fedbuff` runs "
+        "asynchronously: clients train continuously and every `buffer_size` updates make a "
+        "new model version.",
     )
     fraction_fit: float = option(1.0, "Fraction of available clients that train each round.")
     min_fit_clients: int = option(2, "At least this many clients train each round.")
@@ -45,17 +60,19 @@ class StrategyConfig:
         "(fedtrimmedavg), num_malicious / num_to_keep (krum), noise_multiplier / clip_norm / "
         "adaptive_clipping / delta (dpfedavg), buffer_size / server_lr / concurrency / "
         "staleness / staleness_exponent / hinge_slope / hinge_threshold / max_staleness "
-        "(fedbuff).",
+        "(fedbuff), bias_correction (fedadam); a user strategy's constructor keywords.",
     )
 
-    def build(self, client_config: dict[str, Any]) -> Strategy:
-        """The configured strategy; a clear error naming a bad option."""
+    def build(self, client: dict[str, Any], schedule: dict[str, Schedule], rounds: int) -> Strategy:
+        """The configured strategy, handing out `client` as round config changed by
+        `schedule` over `rounds` rounds; a clear error naming a bad option."""
         return build_strategy(
             self.name,
             fraction_fit=self.fraction_fit,
             min_fit_clients=self.min_fit_clients,
             min_available_clients=self.min_available_clients,
-            client_config=client_config,
+            client_config=client,
+            client_schedule={key: s.over(rounds) for key, s in schedule.items()},
             **self.options,
         )
 
@@ -180,6 +197,7 @@ class SimConfig:
         {"epochs": 1, "batch_size": 32, "lr": 0.05},
         "Round config sent to every client (epochs, batch_size, lr, momentum, ...).",
     )
+    client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     device: str = option("cpu", "Device virtual clients train on ('cpu', 'cuda', 'cuda:1').")
     gpus_per_client: float = option(
         1.0,
@@ -196,6 +214,11 @@ class SimConfig:
                 f"gpus_per_client = {self.gpus_per_client} should be in (0, 1]: a virtual "
                 "client trains in one process on one GPU (a fraction packs several on one)"
             )
+        check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")
+
+    def build_strategy(self) -> Strategy:
+        """The strategy `[strategy]` names, with `[client]` and `[client_schedule]`."""
+        return self.strategy.build(self.client, self.client_schedule, self.rounds)

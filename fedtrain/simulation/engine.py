@@ -63,7 +63,7 @@ class SimulationResult:
 
 def build_from_config(config: SimConfig) -> tuple[Task, Strategy]:
     task = load_task(config.task, config.task_options)
-    return task, config.strategy.build(config.client)
+    return task, config.build_strategy()
 
 
 class Prepared(NamedTuple):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
-from fedtrain.partition import partition
+from fedtrain.partition import LABEL_PARTITIONERS, partition
 from fedtrain.simulation.config import SimConfig
 from fedtrain.task import Task
 
@@ -38,7 +38,7 @@ class ClientPopulation:
         """Split `train` among `config.num_clients` clients per `config.partition`."""
         kind = config.partition.kind
         labels = (
-            task.labels(train).numpy() if kind in ("dirichlet", "shards") else np.zeros(len(train))  # type: ignore[arg-type]
+            task.labels(train).numpy() if kind in LABEL_PARTITIONERS else np.zeros(len(train))  # type: ignore[arg-type]
         )
         parts = partition(
             kind,

@@ -7,7 +7,8 @@ accumulator per tensor, in float32 or wider whatever the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -69,16 +70,23 @@ class Aggregator:
     update. Values are validated (known tensor, dtype, range, finite) before use.
     """
 
-    #: True when `add_chunk` adds into a running sum, so chunks may be folded as they
-    #: arrive and taken back out with a negative weight (`add_checked_chunk`); False
-    #: when it stages a whole update until `commit` (clipping, median, Krum...).
-    additive: bool = False
-
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         self.specs = {s.name: s for s in specs}
         self.total_weight = 0.0
         self.count = 0
         self._staged: dict[str, torch.Tensor] | None = None
+        self._finite_known = False
+
+    @contextmanager
+    def finite_known(self) -> Iterator[None]:
+        """Add chunks the caller already found finite (e.g. an upload's journal, checked
+        as it arrived): `add_chunk` skips that check, a pass over the values; every
+        other check, and whatever the aggregator does with the chunk, is unchanged."""
+        self._finite_known = True
+        try:
+            yield
+        finally:
+            self._finite_known = False
 
     def _check_chunk(self, name: str, start: int, values: torch.Tensor) -> int:
         """Validate a chunk against the model; returns its end element."""
@@ -90,7 +98,8 @@ class Aggregator:
         end = start + values.numel()
         if start < 0 or end > spec.numel:
             raise UpdateRejected(f"{name!r}: elements [{start}, {end}) outside {spec.numel}")
-        check_finite(name, values)
+        if not self._finite_known:
+            check_finite(name, values)
         return end
 
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
@@ -131,8 +140,6 @@ class Aggregator:
 
 class WeightedSum(Aggregator):
     """Accumulates sum_i w_i * delta_i tensor by tensor: O(model) memory for any N."""
-
-    additive = True
 
     def __init__(self, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__(specs)
@@ -183,14 +190,6 @@ class WeightedSum(Aggregator):
     def add_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
         """Add `weight * values` into elements [start, start+len) of tensor `name`."""
         self._check_chunk(name, start, values)
-        self.add_checked_chunk(name, start, values, weight)
-
-    def add_checked_chunk(self, name: str, start: int, values: torch.Tensor, weight: float) -> None:
-        """`add_chunk` for values the caller already checked like `_check_chunk` does.
-
-        The runtime validates each chunk as it arrives, outside the round's lock, and
-        only the add itself runs under it; a negative weight takes a chunk back out.
-        """
         acc = self._sums[name][start : start + values.numel()]
         acc.add_(values.reshape(-1).to(acc.dtype), alpha=weight)
 

@@ -3,6 +3,17 @@
 A strategy decides who trains each round and with what config, hands out a
 streaming aggregator, and turns the aggregate into the next global model. It never
 sees sockets or processes: the drivers feed it.
+
+What a driver calls, in order, each round (the contract a user strategy fills in):
+
+1. `configure_round(server_round, available, rng)`: who trains, with which config
+   (`base_config` applies `[client_schedule]`, then `round_config` per client);
+2. `begin_round(server_round, global_state)`: a fresh aggregator the driver folds
+   each arriving update into (`add`/`add_chunk` + `commit(weight)`);
+3. `finalize_round(server_round, global_state, aggregate)`: the next global model,
+   once enough updates arrived (`min_results`); never called for a failed round;
+4. `aggregate_metrics(results)` and `round_metrics()`: the round's metrics line;
+5. `state_dict()`: saved with the round's checkpoint; `load_state_dict` on `--resume`.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import numpy as np
 
 from fedtrain.errors import ConfigError
 from fedtrain.strategy.aggregate import Aggregator, WeightedSum
+from fedtrain.strategy.schedule import Schedule, check_schedules, scheduled
 from fedtrain.tensors import ModelState
 
 Scalar = bool | int | float | str
@@ -34,8 +46,14 @@ def weighted_metrics(results: Sequence[tuple[int, Mapping[str, float]]]) -> dict
 
 
 class Strategy(ABC):
-    """One federated algorithm. Subclasses override what differs from FedAvg's shape."""
+    """One federated algorithm. Subclasses override what differs from FedAvg's shape.
 
+    A subclass's constructor takes its own options as keyword arguments (what
+    `[strategy.options]` holds) and passes the rest (`**kwargs`) on to this one.
+    """
+
+    #: How configs and messages name the strategy; a subclass that sets none is named
+    #: by its import reference ("package.module:ClassName").
     name: ClassVar[str]
     #: Whether the algorithm only needs the (weighted) sum of updates, so it can run
     #: under secure aggregation. Median/Krum-style strategies set this False. When it
@@ -55,6 +73,7 @@ class Strategy(ABC):
         min_fit_clients: int = 2,
         min_available_clients: int = 2,
         client_config: Mapping[str, Scalar] | None = None,
+        client_schedule: Mapping[str, Schedule] | None = None,
     ) -> None:
         if not 0.0 < fraction_fit <= 1.0:
             raise ConfigError(f"strategy.fraction_fit must be in (0, 1], got {fraction_fit}")
@@ -69,6 +88,13 @@ class Strategy(ABC):
         self.min_fit_clients = min_fit_clients
         self.min_available_clients = min_available_clients
         self.client_config: RoundConfig = dict(client_config or {})
+        self.client_schedule: dict[str, Schedule] = dict(client_schedule or {})
+        check_schedules(self.client_config, self.client_schedule, resolved=True)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = f"{cls.__module__}:{cls.__qualname__}"
 
     # -- round planning ---------------------------------------------------------------
     def num_to_sample(self, num_available: int) -> int:
@@ -87,11 +113,38 @@ class Strategy(ABC):
             return {}
         ids = sorted(available)
         chosen = sorted(rng.choice(len(ids), size=k, replace=False).tolist())
-        return {ids[i]: self.round_config(server_round, ids[i]) for i in chosen}
+        base = self.base_config(server_round)
+        return {ids[i]: self.round_config(server_round, ids[i], dict(base)) for i in chosen}
 
-    def round_config(self, server_round: int, client_id: str) -> RoundConfig:
-        """The config a chosen client trains with (hook for per-client configs)."""
-        return {**self.client_config, "round": server_round}
+    def base_config(self, server_round: int) -> RoundConfig:
+        """`[client]` with `[client_schedule]` applied at `server_round`, plus `round`."""
+        return {
+            **scheduled(self.client_config, self.client_schedule, server_round),
+            "round": server_round,
+        }
+
+    def round_config(
+        self, server_round: int, client_id: str, base_config: RoundConfig
+    ) -> RoundConfig:
+        """The config `client_id` trains with in `server_round` (Flower's
+        `on_fit_config_fn`, per client): override it to change the base config.
+
+        `base_config` is this client's own copy of `base_config(server_round)`; return
+        it (changed or not) or a new dict. Values must be booleans, numbers or strings:
+        they travel to sites as the round's config and reach `Task.train` (and a Flower
+        app's config record) unchanged.
+        """
+        return base_config
+
+    def job_config(self, job: int, version: int, client_id: str) -> RoundConfig:
+        """An asynchronous strategy's config for training job `job` from model `version`.
+
+        Schedules follow the model version the job trains toward (`version + 1`, as
+        a synchronous round would); `round` is the job's number (it seeds the shuffle)
+        and `round_config` gets it as `server_round`.
+        """
+        base = {**self.base_config(version + 1), "round": job, "version": version}
+        return self.round_config(job, client_id, base)
 
     def min_results(self, num_selected: int) -> int:
         """Updates needed for a round to count (the rest may drop out)."""
@@ -115,13 +168,18 @@ class Strategy(ABC):
     def aggregate_metrics(
         self, results: Sequence[tuple[int, Mapping[str, float]]]
     ) -> dict[str, float]:
+        """The round's training metrics from each counted update's (examples, metrics),
+        listed in the order the updates were committed to this round's aggregator."""
         return weighted_metrics(results)
 
     # -- checkpoints -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything the strategy must remember across a server restart."""
+        """Everything the strategy must remember across a server restart: tensors,
+        numbers, strings and containers of them (saved with `torch.save`, loaded
+        with `weights_only=True`)."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` returned (on `--resume`, before the next round)."""
         if state:
             raise ConfigError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")

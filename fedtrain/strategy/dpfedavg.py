@@ -38,8 +38,6 @@ from fedtrain.tensors import ModelState, TensorSpec, torch_dtype
 class ClippedSum(WeightedSum):
     """Clips each whole update to `clip_norm`, then adds it with weight 1."""
 
-    additive = False  # the clip needs the whole update's norm: staged until commit
-
     def __init__(self, specs: tuple[TensorSpec, ...], clip_norm: float) -> None:
         super().__init__(specs)
         self.clip_norm = clip_norm

@@ -31,6 +31,7 @@ class ServerOptimizer(Strategy):
             raise ConfigError(f"strategy.server_lr must be > 0, got {server_lr}")
         self.server_lr = server_lr
         self.steps = 0
+        self.server_round = 0  # the round being finalized, for `step`
         self.buffers: dict[str, dict[str, torch.Tensor]] = {}
 
     def finalize_round(
@@ -39,6 +40,7 @@ class ServerOptimizer(Strategy):
         assert isinstance(aggregate, WeightedSum)
         mean = aggregate.mean(in_place=True)
         self.steps += 1
+        self.server_round = server_round
         out = dict(apply_mean_delta(global_state, mean).items())  # non-float tensors
         for name, g in global_state.items():
             if g.dtype.is_floating_point:
@@ -138,17 +140,31 @@ class FedAdagrad(FedOpt):
 class FedAdam(FedOpt):
     """v = beta_2 * v + (1 - beta_2) * delta^2, with Adam's bias correction.
 
-    The correction uses t = number of server steps so far (t = 1 on the first), as in
-    Kingma & Ba; Flower's FedAdam uses t = server_round + 1 for the same formula.
+    `bias_correction = "adam"` (the default) uses t = server steps taken so far (t = 1
+    on the first), as Kingma & Ba and Reddi et al.; `"flower"` uses t = server_round + 1,
+    as Flower 1.42's FedAdam does (legacy and Message API alike), so the first round
+    steps sqrt(1 - beta_2^2) / (1 - beta_1^2) of server_lr instead of
+    sqrt(1 - beta_2) / (1 - beta_1): with the default betas 0.74 x server_lr instead of
+    1.0 x per coordinate (0.074 vs 0.1 at server_lr = 0.1). `"flower"` reproduces a
+    Flower run's models; the standard form is the published algorithm.
     """
 
     name = "fedadam"
+
+    def __init__(self, *, bias_correction: str = "adam", **kw: Any) -> None:
+        super().__init__(**kw)
+        if bias_correction not in ("adam", "flower"):
+            raise ConfigError(
+                f"strategy.bias_correction = {bias_correction!r} should be 'adam' "
+                "(t = server steps taken) or 'flower' (t = server_round + 1, Flower's FedAdam)"
+            )
+        self.bias_correction = bias_correction
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> None:
         v.mul_(self.beta_2).add_(delta_sq, alpha=1.0 - self.beta_2)
 
     def step_size(self) -> float:
-        t = self.steps
+        t = self.steps if self.bias_correction == "adam" else self.server_round + 1
         return self.server_lr * math.sqrt(1.0 - self.beta_2**t) / (1.0 - self.beta_1**t)
 
 

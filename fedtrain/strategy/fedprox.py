@@ -23,5 +23,7 @@ class FedProx(FedAvg):
             raise ConfigError(f"strategy.proximal_mu must be >= 0, got {proximal_mu}")
         self.proximal_mu = proximal_mu
 
-    def round_config(self, server_round: int, client_id: str) -> RoundConfig:
-        return {**super().round_config(server_round, client_id), "proximal_mu": self.proximal_mu}
+    def round_config(
+        self, server_round: int, client_id: str, base_config: RoundConfig
+    ) -> RoundConfig:
+        return {**base_config, "proximal_mu": self.proximal_mu}

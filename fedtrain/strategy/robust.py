@@ -12,13 +12,14 @@ et al. and Flower.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from fedtrain.errors import ConfigError, UpdateRejected
 from fedtrain.strategy.aggregate import Aggregator, UpdateCollector
-from fedtrain.strategy.base import Strategy
+from fedtrain.strategy.base import Strategy, weighted_metrics
 from fedtrain.tensors import ModelState
 
 
@@ -95,7 +96,9 @@ class Krum(RobustStrategy):
 
     Each update is scored by the sum of squared distances to its n - f - 2 nearest
     neighbours (f = `num_malicious`); Krum keeps the best-scored update, multi-Krum
-    (`num_to_keep` > 0) the example-weighted mean of the `num_to_keep` best.
+    (`num_to_keep` > 0) the example-weighted mean of the `num_to_keep` best. The
+    round's training metrics are those of the kept updates only (as Flower's Message
+    API Krum/MultiKrum): a rejected outlier's loss says nothing about the new model.
     """
 
     name = "krum"
@@ -106,6 +109,13 @@ class Krum(RobustStrategy):
             raise ConfigError("strategy.num_malicious and strategy.num_to_keep must be >= 0")
         self.num_malicious = num_malicious
         self.num_to_keep = num_to_keep
+        #: (updates this round, commit-order indices of the kept ones); None until the
+        #: round's aggregate is combined.
+        self._kept: tuple[int, list[int]] | None = None
+
+    def begin_round(self, server_round: int, global_state: ModelState) -> UpdateCollector:
+        self._kept = None
+        return super().begin_round(server_round, global_state)
 
     def scores(self, updates: UpdateCollector) -> torch.Tensor:
         flat = torch.stack(
@@ -120,9 +130,24 @@ class Krum(RobustStrategy):
     def combine(self, updates: UpdateCollector) -> dict[str, torch.Tensor]:
         order = torch.argsort(self.scores(updates), stable=True).tolist()
         keep = order[: self.num_to_keep] if self.num_to_keep > 0 else order[:1]
+        self._kept = (len(updates.updates), keep)
         chosen = [updates.updates[i] for i in keep]
         total = sum(w for _, w in chosen)
         return {
             name: sum(u[name] * (w / total) for u, w in chosen)  # type: ignore[misc]
             for name in updates.specs
         }
+
+    def aggregate_metrics(
+        self, results: Sequence[tuple[int, Mapping[str, float]]]
+    ) -> dict[str, float]:
+        """Example-weighted metrics of the kept updates (all of them before combining)."""
+        if self._kept is None:
+            return weighted_metrics(results)
+        count, keep = self._kept
+        if len(results) != count:
+            raise UpdateRejected(
+                f"Krum kept updates {keep} of {count}, but {len(results)} results were "
+                "reported: drivers must list one result per committed update, in order"
+            )
+        return weighted_metrics([results[i] for i in keep])

@@ -1,15 +1,18 @@
-"""A real Flower NumPyClient (flwr 1.42 API), written as a Flower user would, for interop tests.
+"""Real Flower clients (flwr 1.42 API), written as a Flower user would, for interop tests.
 
-It trains the breast-cancer logistic regression with full-batch gradient descent on
-partition `partition-id` of an IID split, exactly what `NativeEquivalent` does natively.
+The NumPyClient trains the breast-cancer logistic regression with full-batch gradient
+descent on partition `partition-id` of an IID split, exactly what `NativeEquivalent`
+does natively. `probe_app` is a Message-API ClientApp that reports what it was sent;
+`broken_app` replies without "num-examples".
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client import NumPyClient
-from flwr.common import Context
+from flwr.clientapp import ClientApp
 
 from fedtrain.examples import BreastCancerTask
 from fedtrain.partition import iid
@@ -71,3 +74,43 @@ class NativeEquivalent(BreastCancerTask):
 
 def native_arrays(state) -> list[np.ndarray]:
     return [state["weight"].numpy(), state["bias"].numpy()]
+
+
+def linear_model() -> torch.nn.Module:
+    """The client's model, named: what `task_options.model` builds."""
+    torch.manual_seed(SEED)
+    return torch.nn.Linear(30, 2)
+
+
+# -- a Message-API ClientApp that reports what it was sent ------------------------------
+probe_app = ClientApp()
+
+
+@probe_app.train()
+def probe_train(msg: Message, context: Context) -> Message:
+    """Returns the model unchanged and, as metrics, what the message and context held."""
+    calls = context.state.get("probe", ConfigRecord({"calls": 0}))
+    calls["calls"] = int(calls["calls"]) + 1
+    context.state["probe"] = calls  # Context.state persists across rounds, per node
+    config = msg.content["config"]
+    metrics = {
+        "num-examples": 10 + int(context.node_config["partition-id"]),
+        "lr_seen": float(config["lr"]),
+        "server_round": int(config["server-round"]),
+        "calls": int(calls["calls"]),
+        "batch_seen": int(context.run_config["batch-size"]),
+    }
+    content = RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord(metrics)})
+    return Message(content=content, reply_to=msg)
+
+
+broken_app = ClientApp()
+
+
+@broken_app.train()
+def broken_train(msg: Message, context: Context) -> Message:
+    """Replies without the number of examples its update is worth."""
+    content = RecordDict(
+        {"arrays": msg.content["arrays"], "metrics": MetricRecord({"train_loss": 1.0})}
+    )
+    return Message(content=content, reply_to=msg)

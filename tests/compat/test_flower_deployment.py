@@ -1,5 +1,6 @@
-"""A real Flower NumPyClient trains at the sites of a real deployment (`fedtrain server` +
-`fedtrain client` processes) and ends with the model its native fedtrain equivalent gets."""
+"""Real Flower clients train at the sites of a real deployment (`fedtrain server` +
+`fedtrain client` processes): a NumPyClient ends with the model its native fedtrain
+equivalent gets, and a Message-API ClientApp (examples/flower-digits) runs unchanged."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))  # Depl
 from flower_client import NativeEquivalent
 from runtime_support import Deployment
 
+from fedtrain.config import load_toml
 from fedtrain.errors import ConfigError
 from fedtrain.task import TaskContext
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SITES = ("hospital-a", "hospital-b")
 RUN = {
@@ -39,7 +43,7 @@ FLOWER = {
 
 def deploy(root: Path, task: str, data: list[dict], **server) -> tuple[dict, list[dict]]:
     """Run a 2-site insecure deployment to the end; the final model and metrics.jsonl."""
-    with Deployment(root, task, secure=False, **RUN, **server) as dep:
+    with Deployment(root, task, secure=False, **{**RUN, **server}) as dep:
         dep.start_server()
         for name, site_data in zip(SITES, data, strict=True):
             dep.start_site(name, data=site_data, task_options=server.get("task_options", {}))
@@ -89,3 +93,38 @@ def test_a_site_must_name_its_flower_partition() -> None:
     assert [data[i] for i in range(len(data))] == [1]
     client = task.client(1)
     assert client is task.client(1)  # built once
+
+
+def test_the_example_client_app_deployment_runs_from_its_config_files(tmp_path) -> None:
+    """examples/flower-digits' server.toml and site-*.toml (the app unchanged, each site one
+    Flower partition, lr halved every 2 rounds), on a free port: the final model keeps
+    Net's names and training converges."""
+    from flowerdigits.task import Net
+
+    example = ROOT / "examples" / "flower-digits"
+    server = load_toml(example / "server.toml")
+    for key in ("address", "run_dir"):  # the Deployment picks a free port and a tmp dir
+        del server[key]
+    task = server.pop("task")
+    absolute = str(example / "pyproject.toml")  # the processes' working directory varies
+    server["task_options"]["app_config"] = absolute
+    server["rounds"] = 3
+    with Deployment(tmp_path, task, secure=False, **server) as dep:
+        dep.start_server()
+        for i in range(2):
+            site = load_toml(example / f"site-{i}.toml")
+            assert (
+                site["task"] == task
+                and site["task_options"]["clientapp"] == (server["task_options"]["clientapp"])
+            )
+            site["task_options"]["app_config"] = absolute
+            dep.start_site(f"site-{i}", data=site["data"], task_options=site["task_options"])
+        assert dep.wait_server(150) == 0, dep.log("server")
+        dep.close()
+    metrics = dep.metrics()
+    assert [r["round"] for r in metrics] == [1, 2, 3]
+    assert all(r["clients"] == 2 and r["train_loss"] > 0 for r in metrics)
+    assert metrics[-1]["train_loss"] < metrics[0]["train_loss"]
+    model = torch.load(dep.run_dir / "model.pt", weights_only=True)
+    assert list(model) == list(Net().state_dict())
+    Net().load_state_dict(model)

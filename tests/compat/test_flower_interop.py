@@ -59,9 +59,25 @@ def test_flower_task_needs_one_partition_per_client(tmp_path):
             {"client_fn": "flower_client:client_fn", "num_partitions": 4},
             n=2,
         )
-    with pytest.raises(ConfigError, match="cannot be loaded"):
+    with pytest.raises(ConfigError, match=r"task_options\.client_fn = .* has no .nope."):
         simulate(
             tmp_path,
             "fedtrain.compat.flower:FlowerTask",
             {"client_fn": "flower_client:nope", "num_partitions": 4},
         )
+
+
+def test_a_numpy_client_given_its_model_keeps_the_names_and_evaluates(tmp_path):
+    options = {
+        "client_fn": "flower_client:client_fn",
+        "num_partitions": 4,
+        "model": "flower_client:linear_model",  # the arrays are Linear's state_dict, in order
+        "evaluate": True,  # every partition's client evaluates the global model
+    }
+    flower = simulate(tmp_path, "fedtrain.compat.flower:FlowerTask", options)
+    native = simulate(tmp_path, "flower_client:NativeEquivalent", {})
+    assert list(flower.model) == ["weight", "bias"]
+    for name in ("weight", "bias"):
+        np.testing.assert_allclose(flower.model[name], native.model[name], rtol=1e-5, atol=1e-6)
+    assert all(r["accuracy"] is not None for r in flower.history)
+    assert flower.history[-1]["accuracy"] > 0.85

@@ -78,3 +78,14 @@ def test_not_a_run_directory(tmp_path):
         write_report(tmp_path)
     with pytest.raises(ConfigError, match="not a run directory"):
         write_report(tmp_path / "nope")
+
+
+def test_report_of_a_live_run_leaves_out_the_line_being_written(tmp_path):
+    """`fedtrain report` may run while the server appends a round's line (or after a
+    crash cut one short): the partial line is left out, the rounds before are shown."""
+    lines = [json.dumps({"round": r, "accuracy": 0.5, "loss": 1.0}) for r in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"round": 3, "accu')
+    (tmp_path / "audit.jsonl").write_text('{"event": "round_completed", "round": 1, "contr')
+    text = write_report(tmp_path).read_text()
+    assert text.count("<tr><td>") == 2
+    assert "<th>rounds completed</th><td>2</td>" in text

@@ -38,6 +38,7 @@ from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server import AggregationServer
 from fedtrain.strategy import RoundConfig
 from fedtrain.task import Task, TaskContext, TorchTask, TrainResult
+from fedtrain.tensor_file import load_tensor_file
 
 HERE = Path(__file__).resolve().parent
 
@@ -69,6 +70,23 @@ class TinyTask(TorchTask):
         result = super().train(model, data, config, context)
         time.sleep(max(0.0, self.delay_s - (time.monotonic() - started)))
         return result
+
+
+class LrProbeTask(TinyTask):
+    """TinyTask that reports, as training metrics, the learning rate its optimizer
+    trained with and its epochs: what the round's config made of training."""
+
+    def optimizer(self, model: nn.Module, config: RoundConfig) -> torch.optim.Optimizer:
+        opt = super().optimizer(model, config)
+        self.used_lr = opt.param_groups[0]["lr"]
+        return opt
+
+    def train(
+        self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
+    ) -> TrainResult:
+        result = super().train(model, data, config, context)
+        probe = {"lr_used": self.used_lr, "epochs_used": float(config.get("epochs", 1))}
+        return TrainResult(result.num_examples, {**result.metrics, **probe})
 
 
 class PacedTask(TinyTask):
@@ -390,6 +408,13 @@ class Deployment:
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
+    def checkpointed(self) -> int:
+        """The round of the run's checkpoint (written in the background); 0 before the first."""
+        try:
+            return int(load_tensor_file(self.run_dir / "checkpoint.ft")["round"])
+        except FileNotFoundError:
+            return 0
+
     def audit(self, event: str | None = None) -> list[dict[str, Any]]:
         try:
             records = read_audit(self.run_dir / "audit.jsonl")
@@ -416,17 +441,10 @@ class Deployment:
         self.close()
 
 
-def _is_resource_tracker(proc: psutil.Process) -> bool:
-    """multiprocessing's resource tracker: started once per test process by the first
-    torch.multiprocessing user (tests/parallel) and kept for the process's lifetime."""
-    try:
-        return any("resource_tracker" in part for part in proc.cmdline())
-    except psutil.Error:
-        return False
-
-
 def assert_gone(pids: list[int]) -> None:
     """No process we started is alive (zombies do not count), nor any child of ours."""
+    from process_sweep import is_resource_tracker  # tests/, on the path in pytest only
+
     alive = []
     for pid in pids:
         try:
@@ -438,6 +456,6 @@ def assert_gone(pids: list[int]) -> None:
     children = [
         c
         for c in psutil.Process().children(recursive=True)
-        if c.status() != psutil.STATUS_ZOMBIE and not _is_resource_tracker(c)
+        if c.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(c)
     ]
     assert not children, f"child processes left behind: {children}"

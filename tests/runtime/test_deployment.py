@@ -127,14 +127,6 @@ def test_site_killed_mid_round_is_a_dropout(tmp_path: Path) -> None:
     assert f"dropped out of round {killed_in}" in dep.log("server")
 
 
-def _checkpointed(dep: Deployment) -> int:
-    """The round of the run's checkpoint (written in the background); 0 before the first."""
-    try:
-        return int(load_tensor_file(dep.run_dir / "checkpoint.ft")["round"])
-    except FileNotFoundError:
-        return 0
-
-
 def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
     with Deployment(
         tmp_path,
@@ -147,7 +139,7 @@ def test_server_killed_and_resumed_finishes_the_run(tmp_path: Path) -> None:
         dep.start_server()
         for name in ("a", "b"):
             dep.start_site(name, task_options={"delay_s": 0.3})
-        wait_for(lambda: _checkpointed(dep) >= 2, 60, "two rounds checkpointed")
+        wait_for(lambda: dep.checkpointed() >= 2, 60, "two rounds checkpointed")
         dep.procs.stop("server", signal.SIGKILL)
         killed_at = load_tensor_file(dep.run_dir / "checkpoint.ft")["round"]
         assert 2 <= killed_at < 5

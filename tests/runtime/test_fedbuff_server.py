@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from typing import Any
 
 import grpc
@@ -205,3 +206,42 @@ def test_resume_continues_from_the_last_version(tmp_path, stop_after) -> None:
     assert second.wait(20) and second.coordinator.error is None
     records = (second.run_dir.path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["round"] for line in records] == [1, 2, 3]
+
+
+def test_an_update_arriving_after_the_last_buffer_filled_is_refused_not_lost(
+    tmp_path, stop_after, monkeypatch
+) -> None:
+    task = TinyTask()
+    server = _server(tmp_path, task, rounds=1, strategy=fedbuff(3))
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b, c = (FakeSite(server.port, name, fp) for name in ("a", "b", "c"))
+    stop_after += [a, b, c]
+    jobs = {site.name: job(site) for site in (a, b, c)}
+    base = server.coordinator.global_model.state
+    # Hold the run's last version in the making until c's upload has been answered.
+    answered = threading.Event()
+    finalize = server.coordinator.finalize
+
+    def slow_finalize(version: int, aggregate: Any) -> ModelState:
+        assert answered.wait(20), "c's upload was never answered"
+        return finalize(version, aggregate)
+
+    monkeypatch.setattr(server.coordinator, "finalize", slow_finalize)
+    upload(a, jobs["a"], 0.1, 10)
+    upload(b, jobs["b"], 0.3, 30)  # the buffer of version 1, the last one, is full
+    try:
+        with pytest.raises(grpc.RpcError) as info:  # before the last version exists
+            upload(c, jobs["c"], 1.0, 20)
+    finally:
+        answered.set()
+    err = info.value
+    assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "the run is over" in err.details()
+    assert server.wait(20) and server.coordinator.error is None
+    buffered = [r for r in _audit(server) if r["event"] == "update_buffered"]
+    assert [(r["site"], r["version"]) for r in buffered] == [("a", 1), ("b", 1)]
+    final = server.coordinator.global_model
+    assert final.round == 1
+    for name, tensor in final.state.items():
+        torch.testing.assert_close(tensor, base[name] + 0.25)  # (10 * 0.1 + 30 * 0.3) / 40

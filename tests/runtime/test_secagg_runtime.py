@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import signal
 import threading
@@ -30,6 +31,8 @@ from fedtrain.privacy.distributed import DistributedDP
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig, SiteConfig
+from fedtrain.runtime.coordinator import Coordinator
+from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.secagg_round import SecureRoundState
 from fedtrain.runtime.server import AggregationServer
@@ -47,6 +50,7 @@ from fedtrain.secagg import (
     decode_message,
 )
 from fedtrain.secagg.quantize import Quantizer
+from fedtrain.secagg.round_ids import ATTEMPTS_PER_ROUND
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import FedMedian
 from fedtrain.strategy.aggregate import apply_mean_delta
@@ -407,6 +411,49 @@ def test_a_curious_server_never_unmasks_two_sums_over_one_rounds_updates(
         assert all(
             not np.array_equal(u, v) for i, u in enumerate(updates) for v in updates[i + 1 :]
         )
+
+
+def test_a_round_run_again_after_a_crash_never_repeats_an_update(
+    tmp_path: Path, owned: list[Any], ledger: dict[str, list[Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server dies after unmasking round 2 but before the round is finalized and
+    checkpointed (the strategy's finalize raises, as a crash would stop it); started
+    again with `--resume`, it runs round 2 again and unmasks a second sum. That is only
+    safe because every site trains afresh: no site may mask the same update twice."""
+    finalize = Coordinator.finalize
+    crashed: list[int] = []
+
+    def crash_once(self: Coordinator, server_round: int, aggregate: Any) -> Any:
+        if server_round == 2 and not crashed:
+            crashed.append(server_round)
+            raise RuntimeError("the server crashed after unmasking round 2")
+        return finalize(self, server_round, aggregate)
+
+    monkeypatch.setattr(Coordinator, "finalize", crash_once)
+    task = TinyTask(features=100)
+    address = f"127.0.0.1:{free_port()}"
+    first = _server(tmp_path, task, sites=3, rounds=2, address=address)
+    daemons = [_daemon(first, task, name, i) for i, name in enumerate(("a", "b", "c"))]
+    owned.extend(daemons)
+    assert first.wait(90), "the first server did not stop"
+    assert isinstance(first.coordinator.error, RuntimeError)
+    first.stop()
+    config = from_dict(
+        ServerConfig,
+        {**json.loads((first.run_dir.path / "config.json").read_text()), "address": address},
+    )
+    second = AggregationServer(config, insecure=True, task=task, resume=True)
+    second.start()
+    owned.append(second)
+    assert second.wait(90), "the resumed run did not finish"
+    assert second.coordinator.error is None
+    # Round 2's sum was unmasked twice (once per server), each time over fresh updates.
+    round_two = 2 * ATTEMPTS_PER_ROUND + 1
+    assert [r for r, _ in ledger["sums"]].count(round_two) == 2
+    for site in (1, 2, 3):
+        masked = [x for r, s, x, _ in ledger["inputs"] if r == round_two and s == site]
+        assert len(masked) == 2
+        assert not np.array_equal(masked[0], masked[1]), f"site {site} repeated its update"
 
 
 def test_sites_round_their_updates_with_independent_randomness(

@@ -57,13 +57,19 @@ def _refused(site: FakeSite, messages: list[pb.UpdateChunk]) -> grpc.RpcError:
     return info.value
 
 
-def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
+def _alpha_and_beta(tmp_path, stop_after) -> tuple[AggregationServer, FakeSite, FakeSite]:
+    """An in-process server for two sites, and sites alpha and beta joined to it."""
     task = TinyTask()
     server = inprocess_server(tmp_path, task, sites=2)
     stop_after.append(server)
     fp = task_fingerprint(task)
     a, b = FakeSite(server.port, "alpha", fp), FakeSite(server.port, "beta", fp)
     stop_after += [a, b]
+    return server, a, b
+
+
+def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> None:
+    server, a, b = _alpha_and_beta(tmp_path, stop_after)
     instruction = a.expect("instruction").instruction
     b.expect("instruction")
     assert instruction.round == 1
@@ -161,6 +167,110 @@ def test_bad_uploads_are_refused_and_the_run_continues(tmp_path, stop_after) -> 
     err = _refused(a, good)  # round 1 is over now
     assert err.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert not server.spool_dir.exists() or not any(server.spool_dir.iterdir())
+
+
+def test_a_broken_off_upload_leaves_the_sum_bit_identical_to_a_round_without_it(
+    tmp_path, stop_after
+) -> None:
+    server, a, b = _alpha_and_beta(tmp_path, stop_after)
+    version = a.expect("instruction").instruction.model_version
+    b.expect("instruction")
+    gen = torch.Generator().manual_seed(7)
+    da, db = (
+        ModelState({k: torch.randn(v.shape, generator=gen) for k, v in _download(a, "").items()})
+        for _ in range(2)
+    )
+    header_a = a.header(1, num_examples=10, model_version=version)
+    sent = list(chunk_messages(da.chunks(CHUNK)))[:3]
+    gate = threading.Event()
+
+    def breaks_off() -> Iterator[pb.UpdateChunk]:
+        yield header_a
+        yield from sent
+        gate.wait(10)
+
+    transfers = server.coordinator.transfers
+    future = a.stub.UploadUpdate.future(breaks_off())
+    wait_for(lambda: transfers.total_in >= 3 * CHUNK, 10, "alpha's first chunks to arrive")
+    b.upload(
+        [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
+    )
+    future.cancel()  # alpha's stream breaks off after beta's update was counted
+    gate.set()
+    wait_for(lambda: "alpha" not in server.coordinator.current.uploading, 10, "alpha's abandon")
+    without_a = WeightedSum(db.specs)
+    without_a.add(db, 30.0)
+    aggregate = server.coordinator.current.aggregate
+    assert aggregate.count == 1 and aggregate.total_weight == 30.0
+    for name, acc in aggregate.sums.items():
+        assert torch.equal(acc, without_a.sums[name]), name
+
+
+def test_an_upload_still_arriving_when_the_round_closes_is_cut_off_at_its_next_chunk(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=1, round_timeout_s=1.0)
+    stop_after.append(server)
+    site = FakeSite(server.port, "alpha", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    delta = ModelState({k: torch.zeros_like(v) for k, v in _download(site, "").items()})
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    closed, never = threading.Event(), threading.Event()
+
+    def late() -> Iterator[pb.UpdateChunk]:
+        yield site.header(1, model_version=version)
+        yield chunks[0]
+        closed.wait(10)
+        yield chunks[1]  # the server must not wait for the rest of this update
+        never.wait(20)
+
+    future = site.stub.UploadUpdate.future(late())
+    wait_for(lambda: any(r["event"] == "round_failed" for r in _audit(server)), 10, "deadline")
+    closed.set()
+    try:
+        error = future.exception(timeout=10)
+    finally:
+        never.set()
+    assert error is not None and error.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "round closed while the update was being received" in error.details()
+
+
+def test_a_site_cannot_erase_the_others_work_by_breaking_off_a_huge_upload(
+    tmp_path, stop_after
+) -> None:
+    """Folded on arrival and subtracted back out, a broken-off update of huge finite
+    values absorbed the honest sum (x + 1e30 - 1e30 == 0 in float32), and the audit log
+    showed only a failed upload: the round's work was gone."""
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=3, rounds=1, strategy={"min_fit_clients": 2})
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b, rogue = (FakeSite(server.port, name, fp) for name in ("a", "b", "rogue"))
+    stop_after += [a, b, rogue]
+    version = {site.expect("instruction").instruction.model_version for site in (a, b, rogue)}.pop()
+    base = server.coordinator.global_model.state.clone()
+    gen = torch.Generator().manual_seed(3)
+    deltas = [ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()})]
+    deltas.append(ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()}))
+    for site, delta in zip((a, b), deltas, strict=True):
+        site.upload(
+            [
+                site.header(1, num_examples=10, model_version=version),
+                *chunk_messages(delta.chunks(CHUNK)),
+            ]
+        )
+    huge = chunk_messages(
+        ModelState({k: torch.full_like(v, 1e30) for k, v in base.items()}).chunks(CHUNK)
+    )
+    err = _refused(rogue, [rogue.header(1, num_examples=10, model_version=version), *huge[:-1]])
+    assert "stream ended early" in err.details()
+    rogue.report_error(1, err.details())
+    assert server.wait(20) and server.coordinator.error is None
+    for name, tensor in server.coordinator.global_model.state.items():
+        honest = (deltas[0][name].double() + deltas[1][name].double()) / 2
+        torch.testing.assert_close(tensor, (base[name].double() + honest).float())
 
 
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:

@@ -1,4 +1,5 @@
-"""Uploads fold into the round's sum as they arrive; an unfinished one leaves no trace.
+"""Uploads are journaled as they arrive and fold into the round's sum when whole, so an
+unfinished one leaves no trace: the sum is bit for bit the sum without it.
 
 Driven at the `RoundState` level (the lock-holding object the servicer's threads and
 the coordinator share), with real journals on disk.
@@ -43,37 +44,52 @@ def _round(aggregate, *sites: Session) -> RoundState:
 def _stream(state: RoundState, site: Session, spool: UpdateSpool, update: ModelState, n=None):
     state.admit(site, 1, "v")
     for chunk in list(update.chunks(CHUNK))[:n]:
-        state.fold(site.site, spool, spool.add(chunk), 2.0)
+        spool.add(chunk)
 
 
-def _expected(*updates: ModelState) -> dict[str, torch.Tensor]:
+def _without(directory: Path, *updates: ModelState) -> WeightedSum:
+    """The round's sum had only `updates` ever arrived (weight 2 each, same chunks)."""
     direct = WeightedSum(updates[0].specs)
     for u in updates:
-        direct.add(u, 2.0)
-    return direct.mean()
+        with UpdateSpool(u.specs, directory, CHUNK) as spool:
+            for chunk in u.chunks(CHUNK):
+                spool.add(chunk)
+            spool.finish()
+            spool.fold_into(direct, 2.0)
+    return direct
 
 
-def test_a_broken_upload_is_taken_back_out_while_another_folds(tmp_path: Path) -> None:
-    a, b = Session("a", "peer"), Session("b", "peer")
-    ua, ub = _update(1), _update(2)
-    state = _round(WeightedSum(ua.specs), a, b)
-    with UpdateSpool(ua.specs, tmp_path, CHUNK) as sa, UpdateSpool(ub.specs, tmp_path, CHUNK) as sb:
+def test_a_broken_upload_leaves_the_sum_bit_identical_to_a_round_without_it(
+    tmp_path: Path,
+) -> None:
+    a, b, c = Session("a", "peer"), Session("b", "peer"), Session("c", "peer")
+    ua, ub, uc = _update(1), _update(2), _update(3)
+    state = _round(WeightedSum(ua.specs), a, b, c)
+    with (
+        UpdateSpool(ua.specs, tmp_path, CHUNK) as sa,
+        UpdateSpool(ub.specs, tmp_path, CHUNK) as sb,
+        UpdateSpool(uc.specs, tmp_path, CHUNK) as sc,
+    ):
+        _stream(state, b, sb, ub)
+        sb.finish()
+        state.commit(b, sb, 2, {})
         _stream(state, a, sa, ua, n=3)  # a's stream breaks after three chunks...
-        _stream(state, b, sb, ub)  # ...while b's arrives whole, interleaved in the sum
-        assert sa.folded == 3
+        _stream(state, c, sc, uc)  # ...while c's arrives whole, interleaved with it
+        sc.finish()
+        state.commit(c, sc, 2, {})
         with pytest.raises(TensorStreamError, match="stream ended early"):
             sa.finish()
         state.abandon("a")
-        sb.finish()
-        state.commit(b, sb, 2, {})
-    assert state.outcomes == {"a": Outcome.PENDING, "b": Outcome.DONE}
-    got, want = state.aggregate.mean(), _expected(ub)
-    for name in want:  # b alone, up to the rounding that taking a's chunks out leaves
-        torch.testing.assert_close(got[name], want[name], rtol=0, atol=1e-6)
-    assert state.aggregate.count == 1
+    assert state.outcomes == {"a": Outcome.PENDING, "b": Outcome.DONE, "c": Outcome.DONE}
+    want = _without(tmp_path, ub, uc)
+    for name, acc in state.aggregate.sums.items():
+        assert torch.equal(acc, want.sums[name]), name
+    assert (state.aggregate.count, state.aggregate.total_weight) == (2, 4.0)
 
 
-def test_closing_the_round_mid_upload_undoes_it_and_refuses_the_rest(tmp_path: Path) -> None:
+def test_closing_the_round_mid_upload_refuses_the_rest_and_leaves_no_trace(
+    tmp_path: Path,
+) -> None:
     a = Session("a", "peer")
     ua = _update(1)
     state = _round(WeightedSum(ua.specs), a)
@@ -81,11 +97,13 @@ def test_closing_the_round_mid_upload_undoes_it_and_refuses_the_rest(tmp_path: P
         _stream(state, a, spool, ua, n=2)
         summary = state.close()  # the deadline passed
         assert summary.dropped == ["a"] and not summary.poisoned
-        for acc in state.aggregate.sums.values():
-            assert torch.count_nonzero(acc.abs() > 1e-6) == 0
-        late = next(iter(list(ua.chunks(CHUNK))[2:]))
+        for chunk in list(ua.chunks(CHUNK))[2:]:
+            spool.add(chunk)
+        spool.finish()
         with pytest.raises(UploadRefused, match="closed while the update was being received"):
-            state.fold("a", spool, spool.add(late), 2.0)
+            state.commit(a, spool, 2, {})
+    assert all(not torch.any(acc) for acc in state.aggregate.sums.values())
+    assert state.aggregate.count == 0
 
 
 def test_whole_update_aggregators_get_the_update_from_the_journal_at_commit(tmp_path) -> None:
@@ -95,7 +113,6 @@ def test_whole_update_aggregators_get_the_update_from_the_journal_at_commit(tmp_
     with UpdateSpool(ua.specs, tmp_path, CHUNK) as sa, UpdateSpool(ub.specs, tmp_path, CHUNK) as sb:
         _stream(state, a, sa, ua, n=2)
         _stream(state, b, sb, ub)  # interleaved streams cannot mix: nothing staged yet
-        assert sa.folded == sb.folded == 0
         sb.finish()
         state.commit(b, sb, 2, {})
         state.abandon("a")

@@ -16,6 +16,8 @@ from fedtrain.runtime.upload import (
     remove_stale_spools,
 )
 from fedtrain.strategy import WeightedSum
+from fedtrain.strategy.dpfedavg import ClippedSum
+from fedtrain.strategy.fedbuff import StalenessBuffer
 from fedtrain.tensors import Chunk, ModelState
 
 
@@ -45,6 +47,26 @@ def test_fold_equals_adding_the_whole_update(tmp_path: Path) -> None:
     direct.add(update, 3.0)
     for name in update:
         assert torch.equal(via_spool.mean()[name], direct.mean()[name])
+
+
+def test_folding_from_the_journal_skips_only_the_nan_check(tmp_path: Path) -> None:
+    """The journal's chunks were found finite as they arrived; the aggregators' own work
+    (DP's clip, FedBuff's staleness weight) still happens when they are folded."""
+    update = ModelState({"w": torch.full((40, 3), 2.0), "b": torch.full((7,), 2.0)})
+    clipped = ClippedSum(update.specs, clip_norm=1.0)
+    stale = StalenessBuffer(update.specs, version=3, weigh=lambda s: 0.5**s, max_staleness=None)
+    stale.stage(base_version=2)
+    with UpdateSpool(update.specs, tmp_path, max_chunk_bytes=64) as spool:
+        for chunk in update.chunks(64):
+            spool.add(chunk)
+        spool.finish()
+        spool.fold_into(clipped, 10.0)
+        spool.fold_into(stale, 10.0)
+    norm = torch.cat([t.reshape(-1) for t in clipped.take_sums().values()]).norm()
+    assert norm.item() == pytest.approx(1.0) and clipped.total_weight == 1.0
+    assert all(torch.all(acc == 10.0) for acc in stale.sums.values())  # 10 x 0.5 x 2.0
+    with pytest.raises(UpdateRejected, match="NaN/Inf"):  # only while a journal is folded
+        clipped.add_chunk("b", 0, torch.full((7,), float("nan")), 1.0)
 
 
 @pytest.mark.parametrize(

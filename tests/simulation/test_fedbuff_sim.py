@@ -139,7 +139,7 @@ def test_bad_speed_range_is_refused(bad):
 def test_the_example_config_builds_fedbuff():
     path = Path(__file__).resolve().parents[2] / "simulations" / "digits_fedbuff.toml"
     config = from_dict(SimConfig, load_toml(path))
-    strategy = config.strategy.build(config.client)
+    strategy = config.build_strategy()
     assert isinstance(strategy, FedBuff) and strategy.asynchronous
     assert (strategy.buffer_size, strategy.concurrency) == (10, 20)
     assert config.heterogeneity.speed_range == [1.0, 10.0]

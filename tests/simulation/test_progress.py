@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
 import pytest
 
-from fedtrain.observability.progress import RoundProgress, describe
+from fedtrain.observability import progress as progress_module
+from fedtrain.observability.progress import RoundProgress, describe, duration, pace
 from fedtrain.simulation import run_simulation
 
 
@@ -28,6 +30,32 @@ def test_round_progress_shows_clients_and_rate():
         progress.update({"round": 1, "clients": 100, "clients_per_s": 1234.5, "seconds": 0.1})
     line = describe({"round": 1, "clients": 100, "clients_per_s": 1234.5, "seconds": 0.1})
     assert "1234 clients/s" in line or "1235 clients/s" in line
+
+
+def test_a_slow_pace_reads_as_seconds_per_client_never_zero_clients_per_second():
+    line = describe({"round": 2, "clients": 10, "clients_per_s": 0.3125, "seconds": 32.0})
+    assert "3.2 s/client" in line and "clients/s" not in line
+    assert pace(2.5) == "2.5 clients/s" and pace(0.05) == "20.0 s/client"
+
+
+def test_the_round_line_says_how_far_along_and_how_long_is_left(monkeypatch, caplog):
+    clock = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.INFO, logger="fedtrain.observability.progress")
+    display = RoundProgress(10, "server", live=False)
+    for server_round in (1, 2):
+        clock[0] += 10.0  # 10 s a round
+        display.update({"round": server_round, "clients": 4, "seconds": 10.0})
+    assert caplog.messages[-1] == "round 2/10 | 4 clients | 10.00s | ETA 1m20s"
+    clock[0] += 1000.0
+    display.update({"round": 10, "clients": 4, "seconds": 10.0})
+    assert caplog.messages[-1] == "round 10/10 | 4 clients | 10.00s"  # done: no ETA
+
+    resumed = RoundProgress(10, "server", live=False)  # a server resumed after round 5
+    clock[0] += 20.0
+    resumed.update({"round": 6, "clients": 4, "seconds": 20.0})
+    assert caplog.messages[-1].endswith("| ETA 1m20s")  # 4 rounds left at 20 s each
+    assert duration(7322) == "2h02m" and duration(59.6) == "1m00s"
 
 
 @pytest.mark.integration
