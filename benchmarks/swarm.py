@@ -104,9 +104,9 @@ class SwarmSite:
 
     async def run(self, fingerprint: str, stop: asyncio.Event) -> None:
         delay = RETRY_MIN_S
-        async with grpc.aio.insecure_channel(
-            self.address, options=wire.channel_options(MESSAGE_BYTES)
-        ) as channel:
+        # A connection per site, as real sites have (wire.channel_options).
+        options = wire.channel_options(MESSAGE_BYTES)
+        async with grpc.aio.insecure_channel(self.address, options=options) as channel:
             stub = pb_grpc.FedtrainStub(channel)
             while not stop.is_set():
                 outcome, retry_after = await self._session(stub, fingerprint, stop)

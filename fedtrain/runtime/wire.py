@@ -41,10 +41,14 @@ RUN_COMPLETE = "run complete"
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
-    """Options shared by the server and site channels: message limits sized for chunks."""
+    """Options shared by the server and site channels: message limits sized for chunks,
+    and a connection per channel (gRPC otherwise shares one among a process's channels
+    to the same address: sites run in one process, as tests and the swarm do, would be
+    streams on one connection and meet its stream cap; a server ignores the option)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
@@ -57,6 +61,11 @@ MIN_SITE_PING_INTERVAL_S = 10.0
 #: A connection with no call for this long is closed by the server (a refused site's,
 #: or one that never joined), so idle peers cannot hold its file descriptors.
 IDLE_CONNECTION_S = 120.0
+#: Calls one connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS). A site
+#: needs four at most (control stream, download, upload, a retry overlapping its
+#: predecessor's end); the cap stops one peer from holding thousands of handlers on one
+#: connection, and gRPC's client queues a call over it rather than failing it.
+STREAMS_PER_CONNECTION = 16
 
 
 def server_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, Any]]:
@@ -74,6 +83,7 @@ def server_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_SITE_PING_INTERVAL_S * 1000)),
         ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
+        ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
     ]
 
 

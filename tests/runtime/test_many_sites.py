@@ -14,16 +14,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from runtime_support import FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
+from fedtrain.runtime import wire
 from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.demo import dump_toml, free_port
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.site import Backoff, SiteDaemon
 from fedtrain.runtime.status import SitePage, fetch_status
 from fedtrain.task import task_fingerprint
@@ -182,3 +187,56 @@ def test_backoff_honours_a_retry_hint_with_jitter() -> None:
     assert min(delays) >= 30.0 and max(delays) <= 45.0
     assert len(set(delays)) > 150  # jittered: refused sites do not return in lockstep
     assert backoff.next() <= 0.5  # no hint: the usual backoff
+
+
+def _join(name: str, fingerprint: str) -> pb.SiteMessage:
+    return pb.SiteMessage(
+        join=pb.Join(
+            site_name=name, task_fingerprint=fingerprint, protocol_version=wire.PROTOCOL_VERSION
+        )
+    )
+
+
+@pytest.mark.timeout(60)
+def test_one_connection_holds_at_most_sixteen_calls_and_the_next_waits_its_turn(
+    tmp_path: Path,
+) -> None:
+    """A peer that opens calls on one connection and says nothing holds at most
+    STREAMS_PER_CONNECTION server handlers; its next call waits in its own client, not
+    in the server, and runs once one closes. Other connections are not affected."""
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=2)
+    address = f"127.0.0.1:{server.port}"
+    fingerprint = task_fingerprint(task)
+    silent = threading.Event()
+
+    def nothing() -> Iterator[pb.SiteMessage]:
+        silent.wait()
+        return
+        yield
+
+    hog = grpc.insecure_channel(address, options=wire.channel_options(1 << 20))
+    fresh = grpc.insecure_channel(address, options=wire.channel_options(1 << 20))
+    try:
+        stub = pb_grpc.FedtrainStub(hog)
+        held = [stub.Control(nothing()) for _ in range(wire.STREAMS_PER_CONNECTION)]
+        late = stub.Control(iter([_join("late", fingerprint)]), timeout=2.0)
+        with pytest.raises(grpc.RpcError) as waited:
+            next(late)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        queued = stub.Control(iter([_join("queued", fingerprint)]))
+        # Another connection joins at once.
+        other = pb_grpc.FedtrainStub(fresh).Control(iter([_join("other", fingerprint)]))
+        assert next(other).WhichOneof("kind") == "welcome"
+        other.cancel()
+        # The held calls end: the queued call reaches the server and is answered.
+        silent.set()
+        for call in held:
+            call.cancel()
+        assert next(queued).WhichOneof("kind") == "welcome"
+        queued.cancel()
+    finally:
+        silent.set()
+        hog.close()
+        fresh.close()
+        server.stop()
