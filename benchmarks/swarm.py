@@ -87,6 +87,12 @@ class SiteStats:
     broken: int = 0
     uploads: list[tuple[int, int]] = field(default_factory=list)  # (round, site index)
     upload_errors: list[str] = field(default_factory=list)
+    #: Sites in each step of a training job now (instructed, downloading, uploading):
+    #: where a stalled round's missing uploads are.
+    steps: dict[str, int] = field(default_factory=dict)
+
+    def step(self, name: str, delta: int) -> None:
+        self.steps[name] = self.steps.get(name, 0) + delta
 
 
 class SwarmSite:
@@ -173,6 +179,8 @@ class SwarmSite:
         self, stub: pb_grpc.FedtrainStub, welcome: pb.Welcome, instruction: pb.Instruction
     ) -> None:
         token = welcome.session_token
+        step = "downloading"
+        self.stats.step(step, 1)
         try:
             specs = []
             async for piece in stub.DownloadModel(
@@ -180,6 +188,9 @@ class SwarmSite:
             ):
                 if piece.WhichOneof("kind") == "manifest":
                     specs = [wire.spec_from_proto(s) for s in piece.manifest.specs]
+            self.stats.step(step, -1)
+            step = "uploading"
+            self.stats.step(step, 1)
             header = pb.UpdateChunk(
                 header=pb.UploadHeader(
                     round=instruction.round,
@@ -193,8 +204,11 @@ class SwarmSite:
             self.stats.uploads.append((instruction.round, self.index))
         except grpc.aio.AioRpcError as exc:
             self.stats.upload_errors.append(
-                f"{self.name} round {instruction.round}: {exc.details()}"
+                f"{self.name} round {instruction.round}, {step}: {exc.code().name} "
+                f"{exc.details()} {exc.debug_error_string()}"
             )
+        finally:
+            self.stats.step(step, -1)
 
     def _chunks(self, specs: Sequence[Any], chunk_bytes: int) -> list[pb.UpdateChunk]:
         key = self.index % 13
@@ -234,6 +248,8 @@ async def _swarm(conn: Connection, address: str, fingerprint: str, indices: list
             conn.send(("ok",))
         elif command[0] == "joined":
             conn.send(("joined", stats.joined))
+        elif command[0] == "steps":
+            conn.send(("steps", dict(stats.steps), len(stats.uploads), stats.upload_errors[:3]))
         elif command[0] == "stop":
             stop.set()
             for task in tasks:
@@ -370,18 +386,22 @@ def run_swarm(
         status_times: list[float] = []
         peak_rss = 0
         last_status = 0.0
+        last_progress = time.monotonic()
         while server.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(psutil.Error):
                 result.threads_peak = max(result.threads_peak, proc.num_threads())
                 peak_rss = max(peak_rss, proc.memory_info().rss)
                 cpu_last = sum(proc.cpu_times()[:2])
+            if time.monotonic() - last_progress > 30.0:  # where the sites are, on stderr
+                last_progress = time.monotonic()
+                print(f"  {sites} sites: {_steps(pipes)}", file=sys.stderr, flush=True)
             if time.monotonic() - last_status > 1.0:
                 last_status = time.monotonic()
                 with contextlib.suppress(ServerUnreachable):  # the run may have just ended
                     status_times.append(_status_seconds(address))
             time.sleep(0.25)
         if server.poll() is None:
-            result.note = f"timed out after {timeout_s:.0f}s"
+            result.note = f"timed out after {timeout_s:.0f}s; sites {_steps(pipes)}"
         result.rss_peak_mb = peak_rss / 2**20
         result.status_max_s = max(status_times) if status_times else None
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
@@ -434,6 +454,21 @@ def _joined(pipes: Iterable[Connection]) -> int:
         pipe.send(("joined",))
         total += pipe.recv()[1]
     return total
+
+
+def _steps(pipes: Iterable[Connection]) -> str:
+    """Sites per step of a training job, summed over the swarm processes."""
+    steps: dict[str, int] = {}
+    uploads, errors = 0, []
+    for pipe in pipes:
+        pipe.send(("steps",))
+        _, counts, done, failed = pipe.recv()
+        uploads += done
+        errors += failed
+        for name, count in counts.items():
+            steps[name] = steps.get(name, 0) + count
+    counts = ", ".join(f"{n} {c}" for n, c in sorted(steps.items()))
+    return f"{counts}, uploads done {uploads}" + (f", errors e.g. {errors[:3]}" if errors else "")
 
 
 def _stop(pipes: list[Connection], workers: list[Any]) -> list[dict[str, Any]]:
@@ -505,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.server_option:
         key, _, value = item.partition("=")
         options[key] = json.loads(value)
+    # SIGTERM unwinds like Ctrl-C, so the server and the swarm processes are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(HEADER, flush=True)
     for n in (int(s) for s in args.sites.split(",")):
         with tempfile.TemporaryDirectory(prefix=f"swarm-{n}-") as tmp:

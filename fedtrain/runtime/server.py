@@ -238,7 +238,7 @@ class AggregationServer:
         """On the loop: the gRPC server, listening, and the heartbeat watchdog."""
         server = grpc.aio.server(
             options=wire.server_options(
-                self.config.max_message_bytes, self.config.heartbeat.keepalive_s
+                self.config.max_message_bytes, self.config.heartbeat.keepalive_s, self.max_sites
             )
         )
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))

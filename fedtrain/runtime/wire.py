@@ -66,15 +66,37 @@ IDLE_CONNECTION_S = 120.0
 #: predecessor's end); the cap stops one peer from holding thousands of handlers on one
 #: connection, and gRPC's client queues a call over it rather than failing it.
 STREAMS_PER_CONNECTION = 16
+#: How long a call may wait in gRPC's queue before the server's loop takes it (gRPC's
+#: default: 30 s, then it cancels the call without telling the application).
+UNREQUESTED_CALL_S = 3600
+#: Calls queued in gRPC, per site the server admits, before it cancels new ones (each
+#: site has at most a control stream, a download, an upload and a Status call open).
+QUEUED_CALLS_PER_SITE = 4
 
 
-def server_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str, Any]]:
-    """The server's options: chunk-sized messages, and liveness from HTTP/2 keepalive.
+def queued_call_limit(max_sites: int) -> int:
+    """How many calls may wait in gRPC's queue for the server's loop to take them.
+
+    gRPC's defaults cancel calls at random once 1,000 wait, all beyond 3,000, and any
+    that waited 30 s: a round that chooses thousands of sites starts thousands of
+    transfers at once, the loop takes them a little more slowly than they arrive, and a
+    quarter of the uploads of a 3,000-site round ended CANCELLED without reaching
+    fedtrain (measured: benchmarks/swarm.py). The loop takes every call within seconds;
+    `max_transfers` then bounds how many move bytes at once."""
+    return max(3000, QUEUED_CALLS_PER_SITE * max_sites)
+
+
+def server_options(
+    max_message_bytes: int, keepalive_s: float, max_sites: int
+) -> list[tuple[str, Any]]:
+    """The server's options: chunk-sized messages, liveness from HTTP/2 keepalive, and
+    room for every site's calls to wait for the loop (`queued_call_limit`).
 
     The server pings every connection every `keepalive_s` and closes one that does not
     answer within as long again; gRPC does this in C, so liveness costs no Python work
     per site (the control stream then ends and the site is gone)."""
     ms = int(keepalive_s * 1000)
+    queued = queued_call_limit(max_sites)
     return [
         *channel_options(max_message_bytes),
         ("grpc.keepalive_time_ms", ms),
@@ -84,6 +106,9 @@ def server_options(max_message_bytes: int, keepalive_s: float) -> list[tuple[str
         ("grpc.http2.min_ping_interval_without_data_ms", int(MIN_SITE_PING_INTERVAL_S * 1000)),
         ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
         ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+        ("grpc.server_max_unrequested_time_in_server", UNREQUESTED_CALL_S),
+        ("grpc.server.max_pending_requests", queued),
+        ("grpc.server.max_pending_requests_hard_limit", queued),
     ]
 
 

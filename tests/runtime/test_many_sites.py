@@ -240,3 +240,55 @@ def test_one_connection_holds_at_most_sixteen_calls_and_the_next_waits_its_turn(
         hog.close()
         fresh.close()
         server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_calls_that_queue_long_for_a_busy_server_are_all_served_not_cancelled(
+    tmp_path: Path,
+) -> None:
+    """gRPC cancels, without telling the server, calls its loop has not taken: at
+    random once 1,000 wait, all beyond 3,000, and any that waited 30 s (a round that
+    chose 3,000 sites lost a quarter of its uploads so). The server's loop is blocked
+    for 31 s while 1,200 sites join: every one is answered once it is free."""
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=2)
+    assert server._loop is not None
+    server._loop.call_soon_threadsafe(time.sleep, 31.0)  # the loop does nothing else
+    fingerprint = task_fingerprint(task)
+
+    async def join_all(connections: int, per_connection: int) -> list[str]:
+        channels = [
+            grpc.aio.insecure_channel(
+                f"127.0.0.1:{server.port}", options=wire.channel_options(1 << 20)
+            )
+            for _ in range(connections)
+        ]
+
+        async def join(channel: grpc.aio.Channel, name: str) -> str:
+            call = pb_grpc.FedtrainStub(channel).Control(timeout=120)
+            await call.write(_join(name, fingerprint))
+            try:
+                first = await call.read()
+                return first.WhichOneof("kind")
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            finally:
+                call.cancel()
+
+        try:
+            return await asyncio.gather(
+                *(
+                    join(channel, f"queued-{c}-{i}")
+                    for c, channel in enumerate(channels)
+                    for i in range(per_connection)
+                )
+            )
+        finally:
+            await asyncio.gather(*(channel.close() for channel in channels))
+
+    try:
+        answers = asyncio.run(join_all(80, 15))
+    finally:
+        server.stop()
+    assert len(answers) == 1200
+    assert {a: answers.count(a) for a in set(answers)} == {"welcome": 1200}
