@@ -199,8 +199,14 @@ class SwarmSite:
                     model_version=instruction.model_version,
                 )
             )
-            chunks = self._chunks(specs, welcome.chunk_bytes)
-            await stub.UploadUpdate(iter([header, *chunks]))
+            call = stub.UploadUpdate()
+            await call.write(header)
+            await call.initial_metadata()  # the server's go-ahead, as a daemon waits for it
+            if not call.done():
+                for chunk in self._chunks(specs, welcome.chunk_bytes):
+                    await call.write(chunk)
+                await call.done_writing()
+            await call
             self.stats.uploads.append((instruction.round, self.index))
         except grpc.aio.AioRpcError as exc:
             self.stats.upload_errors.append(
@@ -270,6 +276,7 @@ class SwarmRun:
     server_cpu_per_round_s: float | None = None
     threads_idle: int = 0
     threads_peak: int = 0
+    rss_idle_mb: float = 0.0
     rss_peak_mb: float = 0.0
     idle_cpu_pct: float | None = None
     status_max_s: float | None = None
@@ -287,7 +294,8 @@ class SwarmRun:
         return (
             f"| {self.sites} | {self.joined} | {self.refused_joins} | {self.rounds_done} | {times} "
             f"| {cpu if cpu is None else round(cpu, 2)} | {per_site} | {self.threads_idle} / "
-            f"{self.threads_peak} | {self.rss_peak_mb:.0f} | {_pct(self.idle_cpu_pct)} | "
+            f"{self.threads_peak} | {self.rss_idle_mb:.0f} / {self.rss_peak_mb:.0f} | "
+            f"{_pct(self.idle_cpu_pct)} | "
             f"{_secs(self.status_max_s)} | {self.dropped} | {_err(self.aggregate_max_error)} "
             f"| {self.note} |"
         )
@@ -307,7 +315,7 @@ def _err(v: float | None) -> str:
 
 HEADER = (
     "| sites | joined | joins refused | rounds | round s (min-max) | server CPU s/round | "
-    "server CPU ms/site/round | threads idle / peak | RSS peak MB | idle CPU (one core) | "
+    "server CPU ms/site/round | threads idle / peak | RSS idle / peak MB | idle CPU (one core) | "
     "Status max s | dropped | aggregate max error | note |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -377,6 +385,7 @@ def run_swarm(
         while time.monotonic() < deadline and _joined(pipes) < want:
             time.sleep(1.0)
         result.threads_idle = proc.num_threads()
+        result.rss_idle_mb = proc.memory_info().rss / 2**20
         cpu0 = sum(proc.cpu_times()[:2])
         time.sleep(idle_s)
         result.idle_cpu_pct = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / idle_s

@@ -50,7 +50,7 @@ from fedtrain.runtime.peer_auth import (
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.rounds import RoundState, UploadRefused
 from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry
+from fedtrain.runtime.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.runtime.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
@@ -151,7 +151,14 @@ class FedtrainServicer:
             certificate=certificate.pem if certificate else b"",
         )
         session.open_outbox()
-        replaced = await self._run(self.registry.add, session)
+        try:
+            replaced = await self._run(self.registry.add, session, self.max_sites)
+        except AtCapacity:  # filled up since `_join_rules` looked
+            refusal = self._at_capacity()
+            refusal.site = site
+            self._refuse_peer("join_refused", peer, refusal)
+            await context.write(_reject(refusal.reason, refusal.retry_after_s))
+            return
         if replaced is not None:
             await self._run(
                 self.registry.remove, replaced, "replaced by a new connection from the same site"
@@ -245,14 +252,17 @@ class FedtrainServicer:
                 "fedtrain version; install the same fedtrain version as the server at the site",
             )
         if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return Refusal(
-                "capacity",
-                f"the server is at capacity ({self.max_sites} sites connected); retry later. "
-                "The operator can raise max_sites in server.toml, or the server's file limit "
-                "(LimitNOFILE in its service unit)",
-                retry_after_s=CAPACITY_RETRY_S,
-            )
+            return self._at_capacity()
         return None
+
+    def _at_capacity(self) -> Refusal:
+        return Refusal(
+            "capacity",
+            f"the server is at capacity ({self.max_sites} sites connected); retry later. "
+            "The operator can raise max_sites in server.toml, or the server's file limit "
+            "(LimitNOFILE in its service unit)",
+            retry_after_s=CAPACITY_RETRY_S,
+        )
 
     async def _opening(
         self, context: grpc.aio.ServicerContext, challenge: Callable[[pb.Challenge], Any]
@@ -480,6 +490,7 @@ class FedtrainServicer:
         assert state is not None
         weight = None if header.masked else await self._weigh(state, session, header, context)
         async with self.transfer_slots:
+            await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
             try:
                 if weight is None:
                     assert isinstance(state, SecureRoundState)

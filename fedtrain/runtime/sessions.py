@@ -108,6 +108,10 @@ def instruct(
     session.send(pb.ServerMessage(instruction=instruction))
 
 
+class AtCapacity(Exception):
+    """The registry holds as many sites as the server admits."""
+
+
 class SessionRegistry:
     """Sessions by site and by token; thread-safe, with a condition for membership changes."""
 
@@ -128,14 +132,18 @@ class SessionRegistry:
         """Call `listener(session)` after each new session is registered (outside the lock)."""
         self._join_listeners.append(listener)
 
-    def add(self, session: Session) -> Session | None:
+    def add(self, session: Session, capacity: int | None = None) -> Session | None:
         """Register a new session; returns the session of the same site it replaced.
 
         A site that reconnects before its old stream was noticed dead replaces it; the
-        caller must `remove` the replaced one (which ends its stream).
+        caller must `remove` the replaced one (which ends its stream). With `capacity`,
+        a new site is refused (`AtCapacity`) when that many are registered: checked
+        under the lock, so joins admitted at the same time cannot overfill the server.
         """
         with self._lock:
             old = self._by_site.get(session.site)
+            if capacity is not None and old is None and len(self._by_site) >= capacity:
+                raise AtCapacity(capacity)
             self._by_site[session.site] = session
             self._by_token[session.token] = session
             self._by_peer[session.peer] = session

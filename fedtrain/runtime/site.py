@@ -572,11 +572,18 @@ class SiteDaemon:
             response_deserializer=pb.UploadReceipt.FromString,
         )
 
+        calls: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+
         def items() -> Iterator[object]:
             yield pb.UpdateChunk(header=header)
+            # The chunks wait here for the server's go-ahead (wire.UPLOAD_GO_AHEAD); a
+            # refused upload ends the call, which ends this wait too.
+            calls.get().initial_metadata()
             yield from chunks
 
-        return upload(items())
+        call = upload.future(items())
+        calls.put(call)
+        return call.result()
 
 
 def fresh_training_seed() -> int:

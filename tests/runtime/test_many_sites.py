@@ -29,6 +29,7 @@ from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.site import Backoff, SiteDaemon
 from fedtrain.runtime.status import SitePage, fetch_status
 from fedtrain.task import task_fingerprint
@@ -292,3 +293,33 @@ def test_calls_that_queue_long_for_a_busy_server_are_all_served_not_cancelled(
         server.stop()
     assert len(answers) == 1200
     assert {a: answers.count(a) for a in set(answers)} == {"welcome": 1200}
+
+
+def test_sites_joining_at_once_never_overfill_the_server() -> None:
+    """The capacity check and the registration are one step: 64 sites admitted at the
+    same moment into room for 10 leave exactly 10 registered (the check used to run
+    before registering, and joins racing on the CPU pool went past max_sites)."""
+    registry = SessionRegistry()
+    start = threading.Barrier(64)
+    refused: list[str] = []
+
+    def join(i: int) -> None:
+        session = Session(f"site-{i}", f"ipv4:127.0.0.1:{10000 + i}")
+        start.wait()
+        try:
+            registry.add(session, capacity=10)
+        except AtCapacity:
+            refused.append(session.site)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(registry) == 10 and len(refused) == 54
+    # A registered site reconnecting replaces its session even at capacity; a new one
+    # is still refused.
+    registered = next(f"site-{i}" for i in range(64) if f"site-{i}" not in refused)
+    assert registry.add(Session(registered, "ipv4:127.0.0.1:9"), capacity=10) is not None
+    with pytest.raises(AtCapacity):
+        registry.add(Session(refused[0], "ipv4:127.0.0.1:8"), capacity=10)

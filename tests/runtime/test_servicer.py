@@ -273,6 +273,46 @@ def test_a_site_cannot_erase_the_others_work_by_breaking_off_a_huge_upload(
         torch.testing.assert_close(tensor, (base[name].double() + honest).float())
 
 
+def test_an_upload_waits_at_the_site_until_the_server_has_a_transfer_slot(
+    tmp_path, stop_after
+) -> None:
+    """With every transfer slot taken, a second upload gets no go-ahead: its bytes stay
+    at the site (with a few thousand sites uploading at once, gRPC held them all in
+    the server's memory). When the slot frees, it is told to go and is aggregated."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, sites=2, rounds=1, max_transfers=1, round_timeout_s=60.0
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b = (FakeSite(server.port, name, fp) for name in ("a", "b"))
+    stop_after += [a, b]
+    version = {site.expect("instruction").instruction.model_version for site in (a, b)}.pop()
+    delta = ModelState({k: torch.zeros_like(v) for k, v in _download(a, "").items()})
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    release = {site.name: threading.Event() for site in (a, b)}
+
+    def update(site: FakeSite) -> Iterator[pb.UpdateChunk]:
+        yield site.header(1, model_version=version)
+        release[site.name].wait(30)
+        yield from chunks
+
+    first = a.stub.UploadUpdate.future(update(a), timeout=60)
+    assert dict(first.initial_metadata()).get(wire.UPLOAD_GO_AHEAD) == "1"  # the only slot
+    second = b.stub.UploadUpdate.future(update(b), timeout=60)
+    waited = threading.Thread(target=second.initial_metadata)
+    waited.start()
+    waited.join(1.5)
+    assert waited.is_alive(), "the second upload was told to go while the slot was taken"
+    release["a"].set()
+    assert first.result(timeout=30).bytes_received == delta.nbytes
+    waited.join(10)
+    assert not waited.is_alive() and dict(second.initial_metadata())[wire.UPLOAD_GO_AHEAD] == "1"
+    release["b"].set()
+    assert second.result(timeout=30).bytes_received == delta.nbytes
+    assert server.wait(30) and server.coordinator.error is None
+
+
 def test_bfloat16_model_round_trips_bit_exactly(tmp_path, stop_after) -> None:
     task = Bf16Task()
     server = inprocess_server(tmp_path, task, rounds=1)
