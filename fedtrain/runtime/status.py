@@ -23,8 +23,8 @@ from fedtrain.runtime.peer_auth import ClientIdentity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 
 if TYPE_CHECKING:
-    from fedtrain.runtime.coordinator import Coordinator
-    from fedtrain.runtime.sessions import SessionRegistry
+    from fedtrain.runtime.server.coordinator import Coordinator
+    from fedtrain.runtime.server.sessions import SessionRegistry
 
 
 #: Sites a Status reply lists unless asked for more (a federation may have thousands).

@@ -30,16 +30,16 @@ from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
-from fedtrain.runtime.async_rounds import BufferedRounds
-from fedtrain.runtime.audit import AuditLog
-from fedtrain.runtime.checkpoints import CheckpointWriter, settle_run_record
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.faults import fault_point
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry, instruct, summarize_sites
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.buffered import BufferedRounds
+from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_record
+from fedtrain.runtime.server.faults import fault_point
+from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy

@@ -9,7 +9,7 @@ gets the next one at once, from the newest version: fast sites never wait for sl
 ones (`strategy.concurrency` caps how many sites hold a job; 0: all of them).
 
 Uploads are received as in rounds (validated chunk by chunk and spooled, see
-`upload.py`) and folded into the strategy's `StalenessBuffer`, weighted by how many
+`uploads.py`) and folded into the strategy's `StalenessBuffer`, weighted by how many
 versions the model moved since the job's base version. An update staler than
 `max_staleness` is refused with that reason, logged, audited (`update_stale` and the
 servicer's `upload_rejected`) and counted in the version's metrics. The K-th update
@@ -42,13 +42,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from fedtrain.errors import ConfigError
-from fedtrain.runtime.rounds import Outcome, UploadRefused, refuse_second_upload
-from fedtrain.runtime.sessions import Session, instruct
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.server.rounds import Outcome, UploadRefused, refuse_second_upload
+from fedtrain.runtime.server.sessions import Session, instruct
+from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate
 
 if TYPE_CHECKING:
-    from fedtrain.runtime.coordinator import Coordinator, GlobalModel
+    from fedtrain.runtime.server.coordinator import Coordinator, GlobalModel
 
 log = logging.getLogger(__name__)
 
