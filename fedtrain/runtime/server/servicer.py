@@ -46,8 +46,9 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.admission import AdmissionGate, Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
-from fedtrain.runtime.server.coordinator import Coordinator, GlobalModel
+from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
+from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
