@@ -43,8 +43,8 @@ from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import Coordinator, RoundCallback
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.uploads import remove_stale_spools
-from fedtrain.runtime.status import server_state
 from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
 

@@ -52,6 +52,7 @@ from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.runtime.server.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
@@ -720,7 +721,7 @@ class FedtrainServicer:
         page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
         # On the loop, not the pool: a snapshot takes no round lock (milliseconds even
         # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
-        state = status.server_state(self.coordinator, self.registry, page)
+        state = server_state(self.coordinator, self.registry, page)
         await context.write(pb.StatusMessage(reply=status.to_proto(state)))
 
 
