@@ -24,13 +24,13 @@ from runtime_support import FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
-from fedtrain.runtime.sessions import AtCapacity, Session, SessionRegistry
-from fedtrain.runtime.site import Backoff, SiteDaemon
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
+from fedtrain.runtime.site.daemon import Backoff, SiteDaemon
 from fedtrain.runtime.status import SitePage, fetch_status
 from fedtrain.task import task_fingerprint
 
