@@ -52,6 +52,9 @@ class Session:
     closed: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""
+    #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
+    #: held-out set and answers EVALUATE instructions).
+    capabilities: frozenset[str] = frozenset()
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 

@@ -53,6 +53,14 @@ class StrategyConfig:
     fraction_fit: float = option(1.0, "Fraction of available clients that train each round.")
     min_fit_clients: int = option(2, "At least this many clients train each round.")
     min_available_clients: int = option(2, "Rounds wait until this many clients exist.")
+    fraction_evaluate: float = option(
+        1.0,
+        "Federated evaluation (evaluate = sites): fraction of the clients able to evaluate "
+        "(those holding a held-out set) asked to evaluate each evaluated model.",
+    )
+    min_evaluate_clients: int = option(
+        1, "Federated evaluation: at least this many clients evaluate; fewer: none does."
+    )
     options: dict[str, Any] = option(
         {},
         "The algorithm's own options, e.g. proximal_mu (fedprox), server_lr / server_momentum "
@@ -71,6 +79,8 @@ class StrategyConfig:
             fraction_fit=self.fraction_fit,
             min_fit_clients=self.min_fit_clients,
             min_available_clients=self.min_available_clients,
+            fraction_evaluate=self.fraction_evaluate,
+            min_evaluate_clients=self.min_evaluate_clients,
             client_config=client,
             client_schedule={key: s.over(rounds) for key, s in schedule.items()},
             **self.options,
