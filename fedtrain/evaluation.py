@@ -31,7 +31,8 @@ from fedtrain.task import EvalResult
 EvaluateAt = Literal["auto", "server", "sites", "off"]
 EVALUATE_DOC = (
     "Where the global model is evaluated every eval_every rounds (and after the last): "
-    "`auto` on the task's test set when it has one, else at the sites; `server` on the "
+    "`auto` on the task's test set when it has one, else at the sites (a simulation's "
+    "virtual clients); `server` on the "
     "test set only; `sites` at the sites only (federated evaluation: each chosen site "
     "evaluates on its held-out data; the record's loss/accuracy are the example-weighted "
     "means, with each site's values in `site_metrics`); `off`."

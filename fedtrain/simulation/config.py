@@ -8,6 +8,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
+from fedtrain.evaluation import EVALUATE_DOC, EvaluateAt
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
@@ -184,7 +185,19 @@ class SimConfig:
         "same model bit for bit on every backend (`inline` runs the shares in turn).",
     )
     run_dir: str = option("runs/simulation", "Directory for config, metrics and models.", env=True)
-    eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
+    evaluate: EvaluateAt = option("auto", EVALUATE_DOC)
+    eval_every: int = option(1, "Evaluate the global model every N rounds (and after the last).")
+    eval_fraction: float = option(
+        0.0,
+        "Hold out this fraction of each client's share (seeded, never trained on) as its "
+        "held-out set for federated evaluation (evaluate = auto without a test set, or "
+        "sites); 0: none, unless the task's client_test_data gives one (Flower clients).",
+    )
+    site_metrics: bool = option(
+        True,
+        "Federated evaluation: write each client's evaluation metrics (`site_metrics`, "
+        "`worst_site`) to metrics.jsonl; false: only the means.",
+    )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
@@ -217,6 +230,8 @@ class SimConfig:
     )
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction = {self.eval_fraction} must be in [0, 1)")
         if self.workers < 0:
             raise ConfigError(f"workers = {self.workers} should be >= 0 (0: one per CPU core)")
         if not 0 < self.gpus_per_client <= 1:
