@@ -101,8 +101,8 @@ def evaluate_clients(
         results[event.client_id] = EvalResult(event.num_examples, loss, metrics)
     if missing:
         log.warning(
-            "round %d: %d chosen client(s) hold no held-out examples (a share too small "
-            "for eval_fraction): left out of the evaluation",
+            "round %d: %d chosen client(s) left out of the evaluation (no held-out "
+            "examples, e.g. a share too small for eval_fraction, or an implausible result)",
             server_round,
             len(missing),
         )

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from fedtrain.datasources import holdout
 from fedtrain.errors import UpdateRejected
-from fedtrain.evaluation import eval_metrics
+from fedtrain.evaluation import check_eval_result, eval_metrics
 from fedtrain.simulation.client_state import ClientStateStore
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult, ClientsDone, ShareDone, WorkerEvent
@@ -160,6 +160,10 @@ class ClientRunner:
         global_state.load_into(self.model)
         context = TaskContext(device=self.device, client_id=client_id, seed=self.seed)
         result = self.task.evaluate(self.model, test, config, context)
+        try:
+            check_eval_result(result, f"client {client_id}")
+        except ValueError as exc:  # e.g. a Flower client whose evaluate() reports 0 examples
+            return ClientResult(client_id, 0, rejected=str(exc))
         return ClientResult(client_id, result.num_examples, eval_metrics(result))
 
     def over_the_wire(self, client_id: str, delta: ModelState) -> tuple[ModelState, int]:
