@@ -37,6 +37,11 @@ EVALUATE_DOC = (
     "evaluates on its held-out data; the record's loss/accuracy are the example-weighted "
     "means, with each site's values in `site_metrics`); `off`."
 )
+SITE_METRICS_DOC = (
+    "Federated evaluation: write each site's (virtual client's) evaluation metrics "
+    "(`site_metrics`, `worst_site`) to metrics.jsonl; false: only the federation's "
+    "means (a deployment's server still receives each site's figures)."
+)
 #: What a site that can evaluate (it holds a held-out set) advertises when it joins.
 EVALUATE_CAPABILITY = "evaluate"
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import EVALUATE_DOC, EvaluateAt
+from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
@@ -167,12 +167,7 @@ class ServerConfig:
         "a site that has not answered by then (or left, or failed) is left out of that "
         "round's evaluation, which never fails the round.",
     )
-    site_metrics: bool = option(
-        True,
-        "Federated evaluation: write each site's evaluation metrics (`site_metrics`, "
-        "`worst_site`) to metrics.jsonl; false: only the federation's means (the server "
-        "still receives each site's figures).",
-    )
+    site_metrics: bool = option(True, SITE_METRICS_DOC)
     round_timeout_s: float = option(
         600.0, "Deadline of a round; the round closes with the updates received by then."
     )

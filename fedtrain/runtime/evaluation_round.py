@@ -23,9 +23,8 @@ from collections.abc import Callable, Mapping
 
 from fedtrain.errors import ProtocolError
 from fedtrain.evaluation import check_eval_result
-from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.sessions import Session
+from fedtrain.runtime.sessions import Session, instruct
 from fedtrain.strategy import RoundConfig
 from fedtrain.task import EvalResult
 
@@ -64,14 +63,9 @@ class EvaluationRound:
             if session is None or session.closed:
                 self.settle(site, "not connected")
                 continue
-            instruction = pb.Instruction(
-                round=self.round,
-                kind=pb.EVALUATE,
-                model_version=self.model_version,
-                deadline_unix=deadline_unix,
+            instruct(
+                session, self.round, self.model_version, config, deadline_unix, kind=pb.EVALUATE
             )
-            wire.config_to_proto(config, instruction.config)
-            session.send(pb.ServerMessage(instruction=instruction))
 
     def receive(self, site: str, report: pb.EvalReport) -> EvalResult:
         """Count a site's report; raises ProtocolError (the caller logs and audits it,

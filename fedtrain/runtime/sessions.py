@@ -98,11 +98,12 @@ def instruct(
     deadline_unix: float,
     *,
     secagg: bool = False,
+    kind: pb.InstructionKind = pb.TRAIN,
 ) -> None:
-    """Push a TRAIN instruction onto the site's control stream."""
+    """Push an instruction (TRAIN, or EVALUATE) onto the site's control stream."""
     instruction = pb.Instruction(
         round=server_round,
-        kind=pb.TRAIN,
+        kind=kind,
         model_version=model_version,
         deadline_unix=deadline_unix,
         secagg=secagg,

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import EVALUATE_DOC, EvaluateAt
+from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
@@ -193,11 +193,7 @@ class SimConfig:
         "held-out set for federated evaluation (evaluate = auto without a test set, or "
         "sites); 0: none, unless the task's client_test_data gives one (Flower clients).",
     )
-    site_metrics: bool = option(
-        True,
-        "Federated evaluation: write each client's evaluation metrics (`site_metrics`, "
-        "`worst_site`) to metrics.jsonl; false: only the means.",
-    )
+    site_metrics: bool = option(True, SITE_METRICS_DOC)
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
