@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.grpc_floor import channel_options, raw_handler
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime.upload import MemoryBudget, UpdateSpool
+from fedtrain.runtime.server.uploads import MemoryBudget, UpdateSpool
 from fedtrain.strategy.aggregate import check_finite
 from fedtrain.strategy.fedavg import FedAvg
 from fedtrain.tensors import DEFAULT_CHUNK_BYTES, ModelState

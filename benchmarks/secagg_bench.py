@@ -56,7 +56,7 @@ from unittest import mock
 import numpy as np
 import torch
 
-from fedtrain.runtime.site import delta_chunks
+from fedtrain.runtime.site.daemon import delta_chunks
 from fedtrain.secagg import (
     ConsistencyRequest,
     KeysBroadcast,

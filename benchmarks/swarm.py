@@ -48,10 +48,10 @@ import psutil
 import torch
 
 from fedtrain.runtime import wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.status import ServerUnreachable, fetch_status
 from fedtrain.tensors import ModelState
 

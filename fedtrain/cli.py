@@ -128,7 +128,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     from fedtrain.observability.progress import RoundProgress
     from fedtrain.runtime.config import load_server_config
     from fedtrain.runtime.lifecycle import stop_on_signals
-    from fedtrain.runtime.server import AggregationServer
+    from fedtrain.runtime.server.app import AggregationServer
 
     config = load_server_config(args.config)
     if args.resume is not None:
@@ -233,8 +233,8 @@ def cmd_client(args: argparse.Namespace) -> int:
     log.info("starting the site (%s): loading torch and fedtrain's runtime", args.config)
     from fedtrain.runtime.config import load_site_config
     from fedtrain.runtime.lifecycle import stop_on_signals
-    from fedtrain.runtime.site import SiteDaemon, site_name
-    from fedtrain.runtime.site_parallel import run_follower, torchrun_follower, with_workers
+    from fedtrain.runtime.site.daemon import SiteDaemon, site_name
+    from fedtrain.runtime.site.workers import run_follower, torchrun_follower, with_workers
     from fedtrain.teardown import leave_now
 
     config = with_workers(load_site_config(args.config), devices=args.devices, nproc=args.nproc)

@@ -1,9 +1,9 @@
 """The live state of a federation, as `fedtrain status` shows it and Prometheus scrapes it.
 
 `ServerState` is a plain snapshot (no locks, no gRPC types), built on the server from
-its coordinator (`fedtrain.runtime.status`), sent in the Status RPC and rebuilt on the
-other side. The renderers here turn it into a rich table for a terminal, plain
-`key: value` lines for logs and scripts, or JSON.
+its coordinator (`fedtrain.runtime.server.status`), sent in the Status RPC and rebuilt
+on the other side (`fedtrain.runtime.status`). The renderers here turn it into a rich
+table for a terminal, plain `key: value` lines for logs and scripts, or JSON.
 """
 
 from __future__ import annotations

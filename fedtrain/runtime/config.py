@@ -92,7 +92,7 @@ class SecAggServerSettings(SecAggSettings):
 
 @dataclass
 class WeightsConfig:
-    """How many examples a site's plain update may count for (see `runtime/weights.py`)."""
+    """How many examples a site's plain update may count for (see `runtime/server/weights.py`)."""
 
     max_num_examples: int = option(
         1_000_000_000,

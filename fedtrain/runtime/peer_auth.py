@@ -52,7 +52,7 @@ costs the bulk path a lookup, nothing per chunk.
 What this gives up, and how it is bounded: a peer without a certificate now completes
 the TLS handshake and reaches gRPC's HTTP/2 stack and the admission code. It can hold
 a worker thread only until the join deadline, only a few at a time (per address and
-in all: ``fedtrain.runtime.admission``), and it reaches no bulk RPC (no session on
+in all: ``fedtrain.runtime.server.admission``), and it reaches no bulk RPC (no session on
 its connection) and no status. While such peers fill the admission gate, a site's
 join is refused as ``busy`` and retried with its backoff: an anonymous peer can delay
 joins (never a joined site), which a handshake that demands certificates would not

@@ -32,18 +32,18 @@ from fedtrain.errors import ConfigError, SimulationError, UpdateRejected
 from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
-from fedtrain.simulation.engine import (
+from fedtrain.simulation.events import ClientResult
+from fedtrain.simulation.federated_eval import where_to_evaluate_sim
+from fedtrain.simulation.heterogeneity import Heterogeneity
+from fedtrain.simulation.plan import ClientWork, RoundPlan
+from fedtrain.simulation.population import ClientPopulation
+from fedtrain.simulation.run import (
     ProgressCallback,
     SimulationResult,
     evaluate,
     finish,
     prepare,
 )
-from fedtrain.simulation.events import ClientResult
-from fedtrain.simulation.federated_eval import where_to_evaluate_sim
-from fedtrain.simulation.heterogeneity import Heterogeneity
-from fedtrain.simulation.plan import ClientWork, RoundPlan
-from fedtrain.simulation.population import ClientPopulation
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate, Strategy
 from fedtrain.task import Task
 from fedtrain.tensors import ModelState

@@ -13,86 +13,32 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from torch import nn
 from torch.utils.data import Dataset
 
 from fedtrain.evaluation import evaluation_due, server_record
-from fedtrain.export import new_run_id, save_final_model
 from fedtrain.observability.observers import observing
-from fedtrain.run_dir import RunDir
+from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.federated_eval import evaluate_clients, where_to_evaluate_sim
 from fedtrain.simulation.fold import RoundFold
-from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.plan import RoundPlan, plan_round
 from fedtrain.simulation.population import ClientPopulation
+from fedtrain.simulation.run import ProgressCallback, SimulationResult, evaluate, finish, prepare
 from fedtrain.simulation.secure import SecureAggregation
-from fedtrain.simulation.worker import WorkerSetup
 from fedtrain.strategy import Strategy, WeightedSum
-from fedtrain.task import (
-    EvalResult,
-    Task,
-    TaskContext,
-    load_task,
-    model_for,
-    resolve_device,
-    task_fingerprint,
-)
+from fedtrain.task import Task, load_task, task_fingerprint
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
-
-#: on_progress(round, clients done, clients training this round)
-ProgressCallback = Callable[[int, int, int], None]
-
-
-@dataclass
-class SimulationResult:
-    """The final global model and one metrics record per round."""
-
-    model: ModelState
-    history: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def final_accuracy(self) -> float | None:
-        evaluated = [r for r in self.history if r.get("accuracy") is not None]
-        return evaluated[-1]["accuracy"] if evaluated else None
 
 
 def build_from_config(config: SimConfig) -> tuple[Task, Strategy]:
     task = load_task(config.task, config.task_options)
     return task, config.build_strategy()
-
-
-class Prepared(NamedTuple):
-    """What every simulation loop builds before its first client trains."""
-
-    run_dir: RunDir
-    train: Dataset
-    test: Dataset | None
-    population: ClientPopulation
-    heterogeneity: Heterogeneity
-    model: nn.Module  # the driver's model: initial weights, then evaluation
-    global_state: ModelState
-    setup: WorkerSetup
-
-
-def prepare(config: SimConfig, task: Task) -> Prepared:
-    """The run directory (config written), data, clients and the initial global model."""
-    run_dir = RunDir(config.run_dir)
-    run_dir.write_config(dataclasses.asdict(config))
-    train, test = task.datasets()
-    population = ClientPopulation.build(task, train, config)
-    heterogeneity = Heterogeneity(config.heterogeneity, len(population), config.seed)
-    model = model_for(task, config.seed).to(resolve_device(config.device))
-    global_state = ModelState.from_module(model)
-    setup = WorkerSetup(task, config, global_state.specs)
-    return Prepared(run_dir, train, test, population, heterogeneity, model, global_state, setup)
 
 
 def run_simulation(
@@ -125,8 +71,6 @@ def run_simulation(
         then=on_round,
     ) as observe:
         if strategy.asynchronous:
-            from fedtrain.simulation.async_engine import run_buffered
-
             return run_buffered(config, task, strategy, observe, on_progress)
         return _run_rounds(config, task, strategy, observe, on_progress)
 
@@ -199,26 +143,6 @@ def _run_rounds(
     return result
 
 
-def finish(
-    config: SimConfig,
-    task: Task,
-    run_dir: RunDir,
-    state: ModelState,
-    history: list[dict[str, Any]],
-) -> None:
-    """Save the final model: safetensors with the task's names and its card, then
-    model.pt (`fedtrain.export.save_final_model`)."""
-    save_final_model(
-        run_dir,
-        task,
-        state,
-        task_ref=config.task,
-        server_round=history[-1]["round"] if history else 0,
-        run_id=new_run_id(),
-        metrics=history[-1] if history else {},
-    )
-
-
 def train_round(
     backend: Backend,
     strategy: Strategy,
@@ -287,17 +211,6 @@ def train_round(
         **secagg,
     }
     return global_state, record
-
-
-def evaluate(
-    task: Task, model: nn.Module, state: ModelState, test: Dataset, config: SimConfig
-) -> EvalResult:
-    """`state` evaluated on the test set, in the driver's model object."""
-    state.load_into(model)
-    context = TaskContext(
-        device=resolve_device(config.device), client_id="server", seed=config.seed
-    )
-    return task.evaluate(model, test, config.client, context)
 
 
 def clients_hold_out(

@@ -29,13 +29,13 @@ from torch.utils.data import Dataset, TensorDataset
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import tls, wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.demo import dump_toml, fedtrain_command, free_port, tail
 from fedtrain.runtime.lifecycle import ProcessGroup
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
-from fedtrain.runtime.server import AggregationServer
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.audit import read_audit
 from fedtrain.strategy import RoundConfig
 from fedtrain.task import EvalResult, Task, TaskContext, TorchTask, TrainResult
 from fedtrain.tensor_file import load_tensor_file

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from fedtrain.runtime.admission import AdmissionGate
+from fedtrain.runtime.server.admission import AdmissionGate
 
 
 def test_the_gate_bounds_pending_peers_per_address_and_in_all() -> None:

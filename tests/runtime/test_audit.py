@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedtrain.runtime.audit import MANY_PEERS, AuditLog, RefusalThrottle, peer_host, read_audit
+from fedtrain.runtime.server.audit import (
+    MANY_PEERS,
+    AuditLog,
+    RefusalThrottle,
+    peer_host,
+    read_audit,
+)
 
 
 class Clock:

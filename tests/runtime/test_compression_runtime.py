@@ -15,8 +15,8 @@ from test_secagg_runtime import _daemon, _server, owned  # noqa: F401 (owned: a 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
 from fedtrain.runtime import wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.server.audit import read_audit
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from runtime_support import assert_gone, wait_for
 
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.demo import run_demo
+from fedtrain.runtime.server.audit import read_audit
 
 
 @pytest.mark.integration

@@ -23,7 +23,7 @@ from fedtrain.errors import ConfigError
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.server import AggregationServer
+from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 

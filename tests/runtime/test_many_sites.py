@@ -21,10 +21,10 @@ import pytest
 from runtime_support import FakeSite, TinyTask, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.demo import dump_toml, free_port
-from fedtrain.runtime.site import Backoff, SiteDaemon
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.site.daemon import Backoff, SiteDaemon
 from fedtrain.runtime.status import SitePage, fetch_status
 from fedtrain.task import task_fingerprint
 

@@ -25,7 +25,6 @@ from runtime_support import (
 )
 
 from fedtrain.runtime import rpc, tls, wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.peer_auth import (
     ClientIdentity,
     PeerRefused,
@@ -36,6 +35,7 @@ from fedtrain.runtime.peer_auth import (
     transcript,
 )
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.status import ServerUnreachable, fetch_status
 from fedtrain.task import task_fingerprint
 

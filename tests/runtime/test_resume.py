@@ -2,7 +2,7 @@
 checkpoint, and the way the systemd unit and the container start it.
 
 The crash tests start `fedtrain server` with the unit's own flags, make it stop at a
-named point (`fedtrain.runtime.faults`: FEDTRAIN_FAULT_POINT), kill it with SIGKILL
+named point (`fedtrain.runtime.server.faults`: FEDTRAIN_FAULT_POINT), kill it with SIGKILL
 there, restart it the same way, and at the end read the run's record: every round
 exactly once in metrics.jsonl, and a `round_completed` audit record for each.
 """
@@ -20,8 +20,8 @@ import torch
 from runtime_support import Deployment, wait_for
 
 from fedtrain.cli import build_parser, cmd_server
-from fedtrain.runtime import faults
 from fedtrain.runtime.demo import fedtrain_command
+from fedtrain.runtime.server import faults
 from fedtrain.tensor_file import load_tensor_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -11,7 +11,7 @@ import pytest
 from fedtrain.config import from_dict, reference
 from fedtrain.errors import ConfigError
 from fedtrain.runtime.config import ServerConfig, SiteConfig
-from fedtrain.runtime.server import AggregationServer
+from fedtrain.runtime.server.app import AggregationServer
 
 BASE = {"task": "fedtrain.examples:BreastCancerTask"}
 

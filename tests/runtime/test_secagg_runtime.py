@@ -29,14 +29,14 @@ from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.privacy.distributed import DistributedDP
 from fedtrain.runtime import tls, wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import ServerConfig, SiteConfig
-from fedtrain.runtime.coordinator import Coordinator
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.server import AggregationServer
-from fedtrain.runtime.site import SiteDaemon
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.secagg import (
     ConsistencyRequest,
     ConsistencySignature,
@@ -494,7 +494,7 @@ def test_site_requiring_secagg_refuses_a_plain_server(
     task = TinyTask()
     server = _server(tmp_path, task, sites=1, secagg={"enabled": False})
     owned.append(server)
-    caplog.set_level(logging.INFO, logger="fedtrain.runtime.site")
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.site.daemon")
     daemon, thread = _daemon(server, task, "careful", 0, require_secagg=True)
     owned.append((daemon, thread))
     wait_for(lambda: "requires secure aggregation" in caplog.text, 30, "the site's refusal")

@@ -26,11 +26,11 @@ from runtime_support import (
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
-from fedtrain.runtime.audit import read_audit
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.server import AggregationServer
-from fedtrain.runtime.site import SiteDaemon
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.runtime.status import fetch_status
 from fedtrain.strategy import WeightedSum
 from fedtrain.strategy.aggregate import apply_mean_delta

@@ -11,8 +11,8 @@ from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
 from fedtrain.partition import partition
 from fedtrain.runtime.config import DataConfig, SiteConfig
-from fedtrain.runtime.site import Backoff, SiteDaemon, delta_chunks
-from fedtrain.runtime.site_data import site_dataset
+from fedtrain.runtime.site.daemon import Backoff, SiteDaemon, delta_chunks
+from fedtrain.runtime.site.data import site_dataset
 from fedtrain.strategy import compute_delta
 from fedtrain.tensors import ModelState, assemble
 

@@ -15,12 +15,12 @@ from fedtrain import cli
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError, WorkerGroupError
 from fedtrain.parallel import TorchrunGroup, WorkerGroup
-from fedtrain.runtime import site_parallel
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.site import Link, SiteDaemon
-from fedtrain.runtime.site_data import site_dataset
-from fedtrain.runtime.site_parallel import (
+from fedtrain.runtime.site import workers
+from fedtrain.runtime.site.daemon import Link, SiteDaemon
+from fedtrain.runtime.site.data import site_dataset
+from fedtrain.runtime.site.workers import (
     MIN_TRAIN_TIMEOUT_S,
     train_timeout_s,
     with_workers,
@@ -129,7 +129,7 @@ def test_a_daemon_with_workers_builds_no_model_and_takes_no_injected_task() -> N
 
 def test_torchrun_rank_0_drives_the_group_from_the_environment(torchrun_rank) -> None:
     torchrun_rank(0)
-    assert not site_parallel.torchrun_follower()
+    assert not workers.torchrun_follower()
     group = worker_group(site(), "site-a")
     assert isinstance(group, TorchrunGroup) and group.world_size == 2
     assert group.spec.client_id == "site-a"
@@ -151,8 +151,8 @@ def test_torchrun_other_ranks_follow_before_any_daemon_exists(
     def no_daemon(*args: object, **kwargs: object) -> None:
         raise AssertionError("a follower rank must not build a site daemon")
 
-    monkeypatch.setattr(site_parallel, "follower_main", follower)
-    monkeypatch.setattr("fedtrain.runtime.site.SiteDaemon", no_daemon)
+    monkeypatch.setattr(workers, "follower_main", follower)
+    monkeypatch.setattr("fedtrain.runtime.site.daemon.SiteDaemon", no_daemon)
     toml = tmp_path / "site.toml"
     toml.write_text(
         'task = "runtime_support:TinyTask"\nname = "site-a"\nseed = 4\n'

@@ -70,7 +70,7 @@ def test_sites_say_what_they_do_and_exit_when_the_run_is_done(tmp_path: Path) ->
     waiting = dep.log("waiting")
     assert "the server's run is complete; waiting for its next run" in waiting
     after = re.search(
-        r" INFO fedtrain\.runtime\.site: connection to 127\.0\.0\.1:\d+ failed", waiting
+        r" INFO fedtrain\.runtime\.site\.daemon: connection to 127\.0\.0\.1:\d+ failed", waiting
     )
     assert after, waiting
 

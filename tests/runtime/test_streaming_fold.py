@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from fedtrain.errors import TensorStreamError
-from fedtrain.runtime.rounds import Outcome, RoundState, UploadRefused
-from fedtrain.runtime.sessions import Session
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
+from fedtrain.runtime.server.sessions import Session
+from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import WeightedSum
 from fedtrain.strategy.aggregate import UpdateCollector
 from fedtrain.tensors import ModelState

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedtrain.errors import TensorStreamError, UpdateRejected
-from fedtrain.runtime.upload import (
+from fedtrain.runtime.server.uploads import (
     MemoryBudget,
     UpdateSpool,
     ensure_finite,

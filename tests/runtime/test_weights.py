@@ -24,8 +24,8 @@ from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
 from fedtrain.runtime.config import ServerConfig, WeightsConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.server import AggregationServer
-from fedtrain.runtime.weights import Rule, WeightPolicy, WeightRefused
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.weights import Rule, WeightPolicy, WeightRefused
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 

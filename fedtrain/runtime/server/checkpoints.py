@@ -29,8 +29,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime.audit import AuditLog, read_audit
-from fedtrain.runtime.faults import fault_point
+from fedtrain.runtime.server.audit import AuditLog, read_audit
+from fedtrain.runtime.server.faults import fault_point
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedtrain.runtime.audit import peer_host
+from fedtrain.runtime.server.audit import peer_host
 
 #: A peer must answer the challenge within this many seconds (a site does at once).
 ANSWER_TIMEOUT_S = 10.0

@@ -29,7 +29,7 @@ from fedtrain.parallel import (
 )
 from fedtrain.parallel.launch import env_rank
 from fedtrain.runtime.config import SiteConfig
-from fedtrain.runtime.site_data import site_dataset
+from fedtrain.runtime.site.data import site_dataset
 
 log = logging.getLogger(__name__)
 

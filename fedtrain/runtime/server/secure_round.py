@@ -42,13 +42,13 @@ import grpc
 import numpy as np
 
 from fedtrain.errors import ProtocolError, SecAggError, UpdateRejected
-from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.sessions import Session, summarize_sites
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
+from fedtrain.runtime.server.sessions import Session, summarize_sites
+from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.secagg import (
     AdvertiseKeys,
     ConsistencySignature,

@@ -7,7 +7,7 @@ attempt; it is folded, whole and from its journal, only if the attempt is still
 open when it completes; and the coordinator closes the attempt (deadline, everyone
 settled, shutdown) under the same lock, so a late fold can never race the
 finalization. An upload refused or broken off on the way was never folded, so the
-sum is bit for bit what it would have been without it (`upload.py`).
+sum is bit for bit what it would have been without it (`uploads.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from enum import Enum
 import grpc
 
 from fedtrain.errors import UpdateRejected
-from fedtrain.runtime.sessions import Session
-from fedtrain.runtime.upload import UpdateSpool
+from fedtrain.runtime.server.sessions import Session
+from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import RoundConfig
 from fedtrain.strategy.aggregate import Aggregator
 

@@ -36,15 +36,15 @@ from fedtrain.observability.metrics import ServerMetrics
 from fedtrain.observability.tensorboard import TensorBoardWriter
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import tls, wire
-from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.coordinator import Coordinator, RoundCallback
 from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.servicer import FedtrainServicer, generic_handler
-from fedtrain.runtime.sessions import Session, SessionRegistry
-from fedtrain.runtime.status import server_state
-from fedtrain.runtime.upload import remove_stale_spools
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
+from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.uploads import remove_stale_spools
 from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
 

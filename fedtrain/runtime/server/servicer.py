@@ -6,7 +6,7 @@ site's identity (with TLS, its certificate and its proof of holding the key:
 refusal is audited with the peer's address and a one-word cause (`AuditLog.refusal`,
 throttled). Bulk RPCs must carry the token of a live control session and, with TLS,
 arrive on that session's connection. Uploads are validated, journaled and folded
-chunk by chunk (see `upload.py`); whatever is wrong becomes a gRPC status naming site,
+chunk by chunk (see `uploads.py`); whatever is wrong becomes a gRPC status naming site,
 round and tensor, an audit record and a log line, and never an exception that escapes
 a handler.
 
@@ -34,12 +34,7 @@ import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.runtime import status, tls, wire
-from fedtrain.runtime.admission import AdmissionGate, Refusal
-from fedtrain.runtime.async_rounds import BufferedRounds
-from fedtrain.runtime.audit import AuditLog
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.coordinator import Coordinator, GlobalModel
-from fedtrain.runtime.encoded_upload import DecodingSpool
 from fedtrain.runtime.peer_auth import (
     PeerCertificate,
     PeerRefused,
@@ -48,11 +43,18 @@ from fedtrain.runtime.peer_auth import (
     new_nonce,
 )
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.rounds import RoundState, UploadRefused
-from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry
-from fedtrain.runtime.upload import MaskedUpload, MemoryBudget, UpdateSpool
-from fedtrain.runtime.weights import WeightDecision, WeightPolicy, WeightRefused
+from fedtrain.runtime.server.admission import AdmissionGate, Refusal
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.buffered import BufferedRounds
+from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.encoded_upload import DecodingSpool
+from fedtrain.runtime.server.global_model import GlobalModel
+from fedtrain.runtime.server.rounds import RoundState, UploadRefused
+from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
+from fedtrain.runtime.server.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
@@ -724,7 +726,7 @@ class FedtrainServicer:
         page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
         # On the loop, not the pool: a snapshot takes no round lock (milliseconds even
         # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
-        state = status.server_state(self.coordinator, self.registry, page)
+        state = server_state(self.coordinator, self.registry, page)
         await context.write(pb.StatusMessage(reply=status.to_proto(state)))
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -38,17 +37,18 @@ from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
-from fedtrain.runtime.async_rounds import BufferedRounds
-from fedtrain.runtime.audit import AuditLog
-from fedtrain.runtime.checkpoints import CheckpointWriter, settle_run_record
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.evaluation_round import EvaluationRound
-from fedtrain.runtime.faults import fault_point
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.secagg_identity import CertificateVerifier
-from fedtrain.runtime.secagg_round import SecureRoundState
-from fedtrain.runtime.sessions import Session, SessionRegistry, instruct, summarize_sites
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.buffered import BufferedRounds
+from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_record
+from fedtrain.runtime.server.evaluation_round import EvaluationRound
+from fedtrain.runtime.server.faults import fault_point
+from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
+from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
@@ -67,29 +67,10 @@ class RoundFailed(FedtrainError):
     """A round could not gather enough updates in `max_round_attempts` attempts."""
 
 
-@dataclass(frozen=True)
-class GlobalModel:
-    """The current global model: replaced as a whole, so readers never see a mix."""
-
-    round: int  # rounds completed when this model came out
-    version: str  # new_model_version(): names this model on the wire and in the audit log
-    state: ModelState
-
-
 def _plain(values: dict[str, Any]) -> dict[str, Any]:
     """`values` as JSON gives them back: plain types a checkpoint loads without pickle
     (numpy scalars become floats, tuples lists), equal to what metrics.jsonl holds."""
     return json.loads(json.dumps(values))
-
-
-def new_model_version() -> str:
-    """A fresh, unguessable name for a new global model.
-
-    Not a hash of its bytes: hashing 400 MB takes ~0.3 s of CPU every round. The final
-    model's SHA-256 is in the audit log's `run_completed` record. Random, not
-    `run:round`, so a round re-run after a resume never reuses a name a site cached.
-    """
-    return secrets.token_hex(16)
 
 
 class TransferCounter:

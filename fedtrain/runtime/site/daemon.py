@@ -11,7 +11,7 @@ complete the site waits for its next run, or, with `exit_when_done`, leaves (for
 scripts, CI and Kubernetes Jobs).
 
 A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
-instead of in this process (see `site_parallel`). The group is started before the
+instead of in this process (see `workers.py`). The group is started before the
 first join and kept across rounds and reconnects, because starting workers costs
 seconds per round otherwise; a failed group round fails that round only.
 """
@@ -48,9 +48,9 @@ from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.site_data import site_data
-from fedtrain.runtime.site_parallel import train_timeout_s, worker_group
-from fedtrain.runtime.site_secagg import RoundSuperseded, SiteSecAgg
+from fedtrain.runtime.site.data import site_data
+from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
+from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
 from fedtrain.task import (
     EvalResult,

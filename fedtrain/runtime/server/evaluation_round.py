@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from fedtrain.errors import ProtocolError
 from fedtrain.evaluation import check_eval_result
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.sessions import Session, instruct
+from fedtrain.runtime.server.sessions import Session, instruct
 from fedtrain.strategy import RoundConfig
 from fedtrain.task import EvalResult
 

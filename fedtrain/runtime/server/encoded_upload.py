@@ -14,7 +14,7 @@ from pathlib import Path
 
 from fedtrain.compression import Codec
 from fedtrain.compression.fold import DecodingFold
-from fedtrain.runtime.upload import MemoryBudget, UpdateSpool
+from fedtrain.runtime.server.uploads import MemoryBudget, UpdateSpool
 from fedtrain.strategy.aggregate import Aggregator
 from fedtrain.tensors import TensorSpec
 

@@ -9,7 +9,7 @@ gets the next one at once, from the newest version: fast sites never wait for sl
 ones (`strategy.concurrency` caps how many sites hold a job; 0: all of them).
 
 Uploads are received as in rounds (validated chunk by chunk and spooled, see
-`upload.py`) and folded into the strategy's `StalenessBuffer`, weighted by how many
+`uploads.py`) and folded into the strategy's `StalenessBuffer`, weighted by how many
 versions the model moved since the job's base version. An update staler than
 `max_staleness` is refused with that reason, logged, audited (`update_stale` and the
 servicer's `upload_rejected`) and counted in the version's metrics. The K-th update
@@ -37,20 +37,49 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import grpc
+import numpy as np
 
 from fedtrain.errors import ConfigError
-from fedtrain.runtime.rounds import Outcome, UploadRefused, refuse_second_upload
-from fedtrain.runtime.sessions import Session, instruct
-from fedtrain.runtime.upload import UpdateSpool
-from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate
-
-if TYPE_CHECKING:
-    from fedtrain.runtime.coordinator import Coordinator, GlobalModel
+from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.server.audit import AuditLog
+from fedtrain.runtime.server.global_model import GlobalModel
+from fedtrain.runtime.server.rounds import Outcome, UploadRefused, refuse_second_upload
+from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct
+from fedtrain.runtime.server.uploads import UpdateSpool
+from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate, Strategy
+from fedtrain.strategy.aggregate import Aggregator
+from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
+
+
+class Owner(Protocol):
+    """What FedBuff's loop uses of the coordinator that runs it: the run's settings and
+    sites, and the steps every new global model goes through. Declared here so that this
+    module need not import the coordinator (which imports it)."""
+
+    config: ServerConfig
+    strategy: Strategy
+    registry: SessionRegistry
+    audit: AuditLog
+    rng: np.random.Generator
+    global_model: GlobalModel
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def finalize(self, server_round: int, aggregate: Aggregator) -> ModelState: ...
+
+    def publish(self, server_round: int, state: ModelState) -> GlobalModel: ...
+
+    def transfer_metrics(self) -> dict[str, int]: ...
+
+    def record_round(
+        self, record: dict[str, Any], started: float, model: GlobalModel, **audit: Any
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -81,7 +110,7 @@ class Filling:
 class BufferedRounds:
     """FedBuff's live state (see the module docstring); `coordinator.current` for a run."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Owner) -> None:
         if not isinstance(coordinator.strategy, FedBuff):
             raise ConfigError(
                 f"strategy {coordinator.strategy.name!r} is asynchronous, but the server's "

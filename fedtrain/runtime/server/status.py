@@ -1,0 +1,69 @@
+"""Where a running federation stands, read from the coordinator for the Status RPC and
+the Prometheus collector, so `fedtrain status` and a dashboard never disagree.
+
+`server_state` reads the coordinator's live objects without taking its locks: every
+field it reads is replaced as a whole (the global model, the round state), so a
+snapshot may be a moment stale but is never torn. Its wire form and the client that
+asks for it are in `fedtrain.runtime.status`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fedtrain.observability.status import ServerState, SiteState
+from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.sessions import SessionRegistry
+from fedtrain.runtime.status import SitePage
+
+
+def phase(coordinator: Coordinator, connected: int) -> str:
+    """One of `fedtrain.observability.status.PHASES`."""
+    if coordinator.finished.is_set():
+        if coordinator.error is not None:
+            return "failed"
+        done = coordinator.global_model.round >= coordinator.config.rounds
+        return "finished" if done else "stopped"
+    state = coordinator.current
+    if state is not None:
+        return "aggregating" if state.closed else "training"
+    if connected < coordinator.strategy.min_available_clients:
+        return "waiting"
+    return "between_rounds"
+
+
+def server_state(
+    coordinator: Coordinator, registry: SessionRegistry, page: SitePage | None = None
+) -> ServerState:
+    """A snapshot of the federation (see the module docstring); `page` picks the sites
+    it lists (default: every one)."""
+    now = time.monotonic()
+    sessions = registry.sessions()
+    by_name = {s.site: s for s in sessions}
+    listed = (page or SitePage(limit=None)).of(sorted(by_name))
+    state = coordinator.current
+    model = coordinator.global_model
+    metrics = {
+        k: float(v)
+        for k, v in coordinator.last_metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    return ServerState(
+        run_id=coordinator.run_id,
+        task=coordinator.config.task,
+        phase=phase(coordinator, len(sessions)),
+        round=state.round if state is not None else model.round,
+        attempt=state.attempt if state is not None else 0,
+        total_rounds=coordinator.config.rounds,
+        rounds_completed=model.round,
+        min_sites=coordinator.strategy.min_available_clients,
+        secagg=coordinator.secagg is not None,
+        model_version=model.version,
+        finished=coordinator.finished.is_set(),
+        sites=tuple(
+            SiteState(name, now - by_name[name].joined_at, now - by_name[name].last_seen)
+            for name in listed
+        ),
+        last_metrics=metrics,
+        connected_sites=len(sessions),
+    )
