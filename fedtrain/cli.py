@@ -105,8 +105,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "on" if result.secagg else "off",
         directory.resolve(),
     )
-    acc = result.final_accuracy
-    print(f"final accuracy: {acc:.4f}" if acc is not None else "finished (no test set)")
+    final = result.final_evaluation
+    if final is None:
+        print("finished (no evaluation)")
+        return 0
+    sites = final.get("eval_sites")
+    print(f"final accuracy: {final['accuracy']:.4f} (federated: {sites} sites' held-out data)")
+    if final.get("worst_accuracy") is not None:
+        print(f"worst site: {final['worst_site']}, accuracy {final['worst_accuracy']:.4f}")
     return 0
 
 

@@ -122,6 +122,14 @@ class Task(ABC):
             f"{type(dataset).__name__}; override labels() to return them"
         )
 
+    def client_test_data(self, data: Dataset) -> Dataset | None:
+        """The held-out set of a simulated client whose training share is `data`, used
+        for federated evaluation when `eval_fraction` holds none out. Default: none; a
+        task whose clients keep their own test data (a Flower client's `evaluate`)
+        returns `data`. (A deployment site's held-out set comes from its site.toml or
+        its `site_data` hook.)"""
+        return None
+
     def export_names(self) -> Mapping[str, str]:
         """State-dict name -> the name exported model files give that tensor, for the
         names that differ (`fedtrain.export`); a wrapper whose module cannot carry the

@@ -29,6 +29,11 @@ In a deployment each site names its partition the way `flower-supernode
     source = "task"
     options = { "partition-id" = 0 }    # the client's Context.node_config (any keys)
 
+Without a test set on the server (the default: `evaluate = false`) the global model
+is evaluated where the data is, as Flower's federated evaluation does: each site
+(each simulated client) calls its NumPyClient's `evaluate()`, and metrics.jsonl gets
+the example-weighted `loss`/`accuracy` and each site's (`fedtrain.evaluation`).
+
 Without `model`, the server builds the client of partition 0 once, only to read the
 initial arrays (`get_parameters`); it never calls `fit` or `evaluate` there.
 
@@ -55,7 +60,7 @@ from fedtrain.config import load_toml
 from fedtrain.errors import ConfigError, TaskError
 from fedtrain.references import import_reference
 from fedtrain.strategy.base import weighted_metrics
-from fedtrain.task import EvalResult, Task, TaskContext, TrainResult
+from fedtrain.task import EvalResult, SiteData, Task, TaskContext, TrainResult
 
 #: The Flower app settings `run_config` reads, from the app's own pyproject.toml.
 APP_CONFIG_TABLE = ("tool", "flwr", "app", "config")
@@ -341,6 +346,16 @@ class FlowerTask(FlowerPartitions):
             if not callable(getattr(client, method, None)):
                 raise TaskError(f"client_fn returned {type(client).__name__}, not a NumPyClient")
         return client
+
+    def site_data(self, site_name: str, **node_config: Any) -> SiteData:  # type: ignore[override]
+        """The partition, for training and as the held-out set: the client's own
+        `evaluate()` reads its test data, so the site answers federated evaluation."""
+        part = super().site_data(site_name, **node_config)
+        return SiteData(part, part)
+
+    def client_test_data(self, data: Dataset) -> Dataset | None:
+        """A simulated client evaluates through its own `evaluate()` (its own test data)."""
+        return data
 
     def export_names(self) -> Mapping[str, str]:
         """p0, p1, ... -> `parameter_names` (see the module docstring)."""

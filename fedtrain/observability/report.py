@@ -2,8 +2,10 @@
 
 Reads only what every run writes (`metrics.jsonl`, `config.json`) plus the runtime's
 `audit.jsonl` when present, so it works for simulations and deployments alike.
-Plots: accuracy and loss per round, bytes per round, per-site participation (from
-the audit log), and privacy epsilon when DP was on.
+Plots: accuracy and loss per round (on the server's test set, or the federation's
+example-weighted mean when the sites evaluated), each site's own accuracy per round
+(federated evaluation: which site lags, and since when), bytes per round, per-site
+participation (from the audit log), and privacy epsilon when DP was on.
 
 Fast to start: neither torch (a report reads JSON) nor pyplot (figures are drawn
 with matplotlib's object API straight to the Agg canvas, so no GUI backend is looked
@@ -58,7 +60,9 @@ def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
     rounds_loss, loss = _series(metrics, "loss")
     if not acc and not loss:
         return None
-    with _round_figure(out, "Global model on the test set", height=4) as ax:
+    federated = any(m.get("eval_source") == "sites" for m in metrics)
+    title = "Global model at the sites (federated)" if federated else "Global model on the test set"
+    with _round_figure(out, title, height=4) as ax:
         if acc:
             ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
             ax.set_ylabel("accuracy", color="tab:blue")
@@ -68,6 +72,30 @@ def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
             ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
             ax2.set_ylabel("loss", color="tab:orange")
         ax.grid(alpha=0.3)
+    return out
+
+
+def plot_site_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Each site's accuracy per evaluated round, beside the federation's mean."""
+    sites = sorted({s for m in metrics for s in (m.get("site_metrics") or {})})
+    if not sites:
+        return None
+    with _round_figure(out, "Accuracy at each site", height=4) as ax:
+        for site in sites:
+            rows = [
+                (m["round"], m["site_metrics"][site].get("accuracy"))
+                for m in metrics
+                if site in (m.get("site_metrics") or {})
+            ]
+            rows = [(r, a) for r, a in rows if a is not None]
+            ax.plot([r for r, _ in rows], [a for _, a in rows], marker=".", alpha=0.8, label=site)
+        rounds, acc = _series(metrics, "accuracy")
+        ax.plot(rounds, acc, color="black", linewidth=2.5, label="federation (weighted mean)")
+        ax.set_ylabel("accuracy")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        if len(sites) <= 12:
+            ax.legend(fontsize="small", loc="lower right")
     return out
 
 
@@ -171,6 +199,7 @@ def write_report(run_path: str | Path) -> Path:
         p
         for p in (
             plot_accuracy(metrics, out / "accuracy.png"),
+            plot_site_accuracy(metrics, out / "site_accuracy.png"),
             plot_bytes(metrics, out / "bytes.png"),
             plot_participation(audit, out / "participation.png"),
             plot_epsilon(metrics, out / "epsilon.png"),
@@ -197,6 +226,12 @@ def _html(
         "total seconds": f"{sum(m.get('seconds', 0.0) for m in metrics):.1f}",
         "total bytes": f"{sum(m.get('bytes', 0) for m in metrics) / 2**20:.1f} MiB",
     }
+    evaluated = [m for m in metrics if m.get("accuracy") is not None]
+    if evaluated and evaluated[-1].get("eval_source") == "sites":
+        final = evaluated[-1]
+        facts["final accuracy"] += f" (federated: {final.get('eval_sites', '?')} sites)"
+        if final.get("worst_accuracy") is not None:
+            facts["worst site"] = f"{final['worst_site']}: accuracy {final['worst_accuracy']:.4f}"
     if last.get("epsilon") is not None:
         facts["privacy"] = f"epsilon {last['epsilon']:.3f} at delta {last.get('delta', '?')}"
     columns = [

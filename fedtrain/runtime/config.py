@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
+from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
@@ -158,7 +159,15 @@ class ServerConfig:
     rounds: int = option(10, "Number of federated rounds (fedbuff: model versions).")
     seed: int = option(0, "Seed of the initial model and of participant sampling.")
     device: str = option("cpu", "Device for the server-side evaluation of the global model.")
-    eval_every: int = option(1, "Evaluate the global model on the task's test set every N rounds.")
+    evaluate: EvaluateAt = option("auto", EVALUATE_DOC)
+    eval_every: int = option(1, "Evaluate the global model every N rounds (and after the last).")
+    eval_timeout_s: float = option(
+        120.0,
+        "Federated evaluation: how long the server waits for the chosen sites' reports; "
+        "a site that has not answered by then (or left, or failed) is left out of that "
+        "round's evaluation, which never fails the round.",
+    )
+    site_metrics: bool = option(True, SITE_METRICS_DOC)
     round_timeout_s: float = option(
         600.0, "Deadline of a round; the round closes with the updates received by then."
     )
@@ -238,7 +247,7 @@ class ServerConfig:
             raise ConfigError(
                 f"max_sites must be >= 0 (0: from the file limit), got {self.max_sites}"
             )
-        _positive(self, "round_timeout_s")
+        _positive(self, "round_timeout_s", "eval_timeout_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
         if not 0 <= self.metrics_port <= 65535:
@@ -323,8 +332,9 @@ class DataConfig(PartitionConfig):
     )
     eval_fraction: float = option(
         0.0,
-        "Hold out this fraction of the rows (images) under `path` for evaluation (seeded by "
-        "data.seed, the same split on every start); 0: none.",
+        "Hold out this fraction of the rows (images) under `path`, or of this site's "
+        "partition (source = partition), for evaluation (seeded by data.seed, the same "
+        "split on every start); 0: none.",
     )
     batch_rows: int = option(
         65536, "parquet/csv: rows decoded per record batch while the files are read."

@@ -9,6 +9,13 @@ server only ever learns the sum of the four updates, and every site requires tha
 server reports each round as a JSON line on its stdout, which drives the progress
 display. Every process is stopped on the way out, whatever happens (including Ctrl-C).
 
+The server holds no data: each site holds out a fifth of its digits, and every round
+the sites evaluate the new global model on them (federated evaluation,
+`evaluate = "sites"`); the server records the federation's example-weighted accuracy
+and each site's, so the demo ends with both the final accuracy and the worst site's.
+Under secure aggregation those evaluation metrics (never an update) reach the server
+in the clear: the demo opts in to that explicitly.
+
 A site that dies mid-round is a dropout: secure aggregation over four sites tolerates
 one, and the round completes with the other three (`min_fit_clients = 3`). The demo
 then starts the site again, as its service manager would, and it rejoins for the next
@@ -66,8 +73,14 @@ class DemoResult:
 
     @property
     def final_accuracy(self) -> float | None:
+        final = self.final_evaluation
+        return final["accuracy"] if final is not None else None
+
+    @property
+    def final_evaluation(self) -> dict[str, Any] | None:
+        """The last round record with an accuracy (its `worst_site`, `eval_sites`, ...)."""
         evaluated = [r for r in self.history if r.get("accuracy") is not None]
-        return evaluated[-1]["accuracy"] if evaluated else None
+        return evaluated[-1] if evaluated else None
 
 
 # -- helpers (also used by the runtime tests) ---------------------------------------------
@@ -147,6 +160,7 @@ def write_deployment(
                 "rounds": rounds,
                 "round_timeout_s": 120.0,
                 "allowed_sites": names,
+                "evaluate": "sites",  # the server holds no test set: the sites evaluate
                 "client": DIGITS["client"],
                 # Every round starts with all four sites (min_available_clients) and
                 # completes with three if one drops out on the way (min_fit_clients).
@@ -166,7 +180,12 @@ def write_deployment(
                     "task": DIGITS["task"],
                     "server": address,
                     "require_secagg": secagg,
-                    "data": {**DIGITS["partition"], "partition": i, "num_partitions": NUM_SITES},
+                    "data": {
+                        **DIGITS["partition"],
+                        "partition": i,
+                        "num_partitions": NUM_SITES,
+                        "eval_fraction": 0.2,  # this site's held-out digits
+                    },
                     "reconnect": {"min_s": 0.2, "max_s": 2.0},
                     "tls": {"ca": ca_dir / tls.CA_CERT, "cert": cert, "key": key},
                 }

@@ -29,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from fedtrain.errors import ConfigError, SimulationError, UpdateRejected
+from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
+from fedtrain.simulation.federated_eval import where_to_evaluate_sim
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
@@ -214,6 +216,7 @@ def run_buffered(
             "loop runs FedBuff's buffer only"
         )
     prepared = prepare(config, task)
+    where = where_to_evaluate_sim(config, strategy, prepared.test is not None, False)
     global_state = prepared.global_state
     result = SimulationResult(global_state)
     concurrency = min(strategy.concurrency or len(prepared.population), len(prepared.population))
@@ -252,11 +255,15 @@ def run_buffered(
                 global_state = strategy.finalize_round(version, global_state, buffer)
                 clients.publish(version, global_state)
                 record = version_record(config, strategy, buffer.count, clients, updates)
-                if prepared.test is not None and (
-                    version % config.eval_every == 0 or version == config.rounds
+                if (
+                    where == "server"
+                    and prepared.test is not None
+                    and evaluation_due(version, config.eval_every, config.rounds)
                 ):
-                    record["loss"], record["accuracy"] = evaluate(
-                        task, prepared.model, global_state, prepared.test, config
+                    record.update(
+                        server_record(
+                            evaluate(task, prepared.model, global_state, prepared.test, config)
+                        )
                     )
                 record["seconds"] = time.perf_counter() - clients.interval.started
                 clients.interval = Interval()

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
+from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
@@ -53,6 +54,14 @@ class StrategyConfig:
     fraction_fit: float = option(1.0, "Fraction of available clients that train each round.")
     min_fit_clients: int = option(2, "At least this many clients train each round.")
     min_available_clients: int = option(2, "Rounds wait until this many clients exist.")
+    fraction_evaluate: float = option(
+        1.0,
+        "Federated evaluation (evaluate = sites): fraction of the clients able to evaluate "
+        "(those holding a held-out set) asked to evaluate each evaluated model.",
+    )
+    min_evaluate_clients: int = option(
+        1, "Federated evaluation: at least this many clients evaluate; fewer: none does."
+    )
     options: dict[str, Any] = option(
         {},
         "The algorithm's own options, e.g. proximal_mu (fedprox), server_lr / server_momentum "
@@ -71,6 +80,8 @@ class StrategyConfig:
             fraction_fit=self.fraction_fit,
             min_fit_clients=self.min_fit_clients,
             min_available_clients=self.min_available_clients,
+            fraction_evaluate=self.fraction_evaluate,
+            min_evaluate_clients=self.min_evaluate_clients,
             client_config=client,
             client_schedule={key: s.over(rounds) for key, s in schedule.items()},
             **self.options,
@@ -174,7 +185,15 @@ class SimConfig:
         "same model bit for bit on every backend (`inline` runs the shares in turn).",
     )
     run_dir: str = option("runs/simulation", "Directory for config, metrics and models.", env=True)
-    eval_every: int = option(1, "Evaluate the global model on the test set every N rounds.")
+    evaluate: EvaluateAt = option("auto", EVALUATE_DOC)
+    eval_every: int = option(1, "Evaluate the global model every N rounds (and after the last).")
+    eval_fraction: float = option(
+        0.0,
+        "Hold out this fraction of each client's share (seeded, never trained on) as its "
+        "held-out set for federated evaluation (evaluate = auto without a test set, or "
+        "sites); 0: none, unless the task's client_test_data gives one (Flower clients).",
+    )
+    site_metrics: bool = option(True, SITE_METRICS_DOC)
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
@@ -207,6 +226,8 @@ class SimConfig:
     )
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"eval_fraction = {self.eval_fraction} must be in [0, 1)")
         if self.workers < 0:
             raise ConfigError(f"workers = {self.workers} should be >= 0 (0: one per CPU core)")
         if not 0 < self.gpus_per_client <= 1:

@@ -16,13 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from torch.utils.data import Dataset
 
+from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.observability.observers import observing
 from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
+from fedtrain.simulation.federated_eval import evaluate_clients, where_to_evaluate_sim
 from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.plan import RoundPlan, plan_round
+from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.run import ProgressCallback, SimulationResult, evaluate, finish, prepare
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.strategy import Strategy, WeightedSum
@@ -87,6 +91,11 @@ def _run_rounds(
     if secure is not None:
         secure.check(strategy, len(population))
     result = SimulationResult(global_state)
+    where = where_to_evaluate_sim(
+        config, strategy, test is not None, clients_hold_out(config, task, train, population)
+    )
+    # its own stream, so evaluating never changes who trains
+    eval_rng = np.random.default_rng([config.seed, 1])
     with open_backend(config, setup, (train, population)) as backend:
         log.info(
             "simulating %d clients on the %s backend with %d workers",
@@ -110,12 +119,21 @@ def _run_rounds(
                 backend, strategy, plan, global_state, on_progress, secure
             )
             record["loss"], record["accuracy"] = None, None
-            if test is not None and (
-                server_round % config.eval_every == 0 or server_round == config.rounds
-            ):
-                record["loss"], record["accuracy"] = evaluate(
-                    task, model, global_state, test, config
-                )
+            if evaluation_due(server_round, config.eval_every, config.rounds):
+                if where == "server" and test is not None:
+                    record.update(server_record(evaluate(task, model, global_state, test, config)))
+                elif where == "sites":
+                    record.update(
+                        evaluate_clients(
+                            backend,
+                            strategy,
+                            population,
+                            server_round,
+                            global_state,
+                            eval_rng,
+                            per_site=config.site_metrics,
+                        )
+                    )
             record["seconds"] = time.perf_counter() - start
             run_dir.log_metrics(record)
             result.history.append(record)
@@ -193,3 +211,13 @@ def train_round(
         **secagg,
     }
     return global_state, record
+
+
+def clients_hold_out(
+    config: SimConfig, task: Task, train: Dataset, population: ClientPopulation
+) -> bool:
+    """Whether the clients have held-out data to evaluate on (`eval_fraction`, or the
+    task's `client_test_data` for the first client's share)."""
+    if config.eval_fraction > 0:
+        return True
+    return task.client_test_data(population.dataset(train, population.ids[0])) is not None

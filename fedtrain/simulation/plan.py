@@ -29,6 +29,10 @@ class RoundPlan:
     dropped: tuple[str, ...]  # selected clients that never report
     shares: tuple[tuple[ClientWork, ...], ...]  # per worker, in client order
     fold_in_workers: bool  # workers return one partial sum instead of each update
+    #: The clients evaluate `global_state` on their held-out data instead of training:
+    #: each `ClientResult` then carries the evaluation (`num_examples`, metrics with
+    #: `loss`), or `rejected` when the client holds no held-out examples.
+    evaluate: bool = False
 
     @property
     def training(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.worker import WorkerSetup
-from fedtrain.task import Task, TaskContext, model_for, resolve_device
+from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device
 from fedtrain.tensors import ModelState
 
 #: on_progress(round, clients done, clients training this round)
@@ -90,11 +90,10 @@ def finish(
 
 def evaluate(
     task: Task, model: nn.Module, state: ModelState, test: Dataset, config: SimConfig
-) -> tuple[float, float | None]:
-    """(loss, accuracy) of `state` on the test set, in the driver's model object."""
+) -> EvalResult:
+    """`state` evaluated on the test set, in the driver's model object."""
     state.load_into(model)
     context = TaskContext(
         device=resolve_device(config.device), client_id="server", seed=config.seed
     )
-    result = task.evaluate(model, test, config.client, context)
-    return result.loss, result.metrics.get("accuracy")
+    return task.evaluate(model, test, config.client, context)

@@ -18,14 +18,16 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from fedtrain.datasources import holdout
 from fedtrain.errors import UpdateRejected
+from fedtrain.evaluation import check_eval_result, eval_metrics
 from fedtrain.simulation.client_state import ClientStateStore
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult, ClientsDone, ShareDone, WorkerEvent
 from fedtrain.simulation.plan import ClientWork
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.strategy import RoundConfig, WeightedSum, compute_delta
-from fedtrain.task import Task, TaskContext, model_for, resolve_device
+from fedtrain.task import SiteData, Task, TaskContext, model_for, resolve_device
 from fedtrain.tensors import ModelState, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class ClientRunner:
         self.task = setup.task
         self.specs = setup.specs
         self.seed = setup.config.seed
+        self.eval_fraction = setup.config.eval_fraction
         self.device = resolve_device(setup.device_of(worker))
         if data is None:
             train, _ = self.task.datasets()
@@ -83,12 +86,19 @@ class ClientRunner:
         share: tuple[ClientWork, ...],
         global_state: ModelState,
         fold: bool,
+        evaluate: bool = False,
     ) -> Iterator[WorkerEvent]:
         """Train `share` from `global_state`: progress ticks, results, then `ShareDone`.
 
         With `fold`, updates go into one partial sum in client order and the results
-        ride on `ShareDone`; otherwise each result carries its update.
+        ride on `ShareDone`; otherwise each result carries its update. With `evaluate`,
+        each client evaluates `global_state` instead (`evaluate_client`).
         """
+        if evaluate:
+            for client_id, config in share:
+                yield self.evaluate_client(client_id, config, global_state)
+            yield ShareDone(worker)
+            return
         partial = WeightedSum(self.specs) if fold else None
         folded: list[ClientResult] = []
         last_tick = time.monotonic()
@@ -119,7 +129,7 @@ class ClientRunner:
         context = TaskContext(
             device=self.device, client_id=client_id, seed=self.seed, client_state=state
         )
-        data = self.population.dataset(self.train_data, client_id)
+        data = self.client_data(client_id).train
         result = self.task.train(self.model, data, config, context)
         self.states.put(client_id, state)
         delta = compute_delta(ModelState.from_module(self.model), global_state)
@@ -127,6 +137,34 @@ class ClientRunner:
         return ClientResult(
             client_id, result.num_examples, dict(result.metrics), delta, upload_bytes=upload_bytes
         )
+
+    def client_data(self, client_id: str) -> SiteData:
+        """A client's training set and held-out set: a seeded `eval_fraction` of its
+        share held out (never trained on), else what the task's `client_test_data`
+        says (a Flower client evaluates on its own data), else none."""
+        share = self.population.dataset(self.train_data, client_id)
+        if self.eval_fraction:
+            seed = self.seed * 1_000_003 + self.population.index(client_id)
+            return SiteData(*holdout(share, self.eval_fraction, seed))
+        return SiteData(share, self.task.client_test_data(share))
+
+    def evaluate_client(
+        self, client_id: str, config: RoundConfig, global_state: ModelState
+    ) -> ClientResult:
+        """One client's evaluation of the global model on its held-out data, as a
+        result whose metrics hold `loss` (rejected: the client holds none)."""
+        self.current_client = client_id
+        test = self.client_data(client_id).test
+        if test is None or len(test) == 0:  # type: ignore[arg-type]
+            return ClientResult(client_id, 0, rejected="holds no held-out examples")
+        global_state.load_into(self.model)
+        context = TaskContext(device=self.device, client_id=client_id, seed=self.seed)
+        result = self.task.evaluate(self.model, test, config, context)
+        try:
+            check_eval_result(result, f"client {client_id}")
+        except ValueError as exc:  # e.g. a Flower client whose evaluate() reports 0 examples
+            return ClientResult(client_id, 0, rejected=str(exc))
+        return ClientResult(client_id, result.num_examples, eval_metrics(result))
 
     def over_the_wire(self, client_id: str, delta: ModelState) -> tuple[ModelState, int]:
         """(the update as the server decodes it, the bytes its upload takes).

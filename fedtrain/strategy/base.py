@@ -13,7 +13,11 @@ What a driver calls, in order, each round (the contract a user strategy fills in
 3. `finalize_round(server_round, global_state, aggregate)`: the next global model,
    once enough updates arrived (`min_results`); never called for a failed round;
 4. `aggregate_metrics(results)` and `round_metrics()`: the round's metrics line;
-5. `state_dict()`: saved with the round's checkpoint; `load_state_dict` on `--resume`.
+5. when the model is evaluated at the sites (federated evaluation, see
+   `fedtrain.evaluation`): `configure_evaluate(server_round, available, rng)` chooses
+   who evaluates the new model, and `aggregate_evaluate(server_round, results)` turns
+   their (examples, metrics) into the federation's figures (Flower's names);
+6. `state_dict()`: saved with the round's checkpoint; `load_state_dict` on `--resume`.
 """
 
 from __future__ import annotations
@@ -74,7 +78,19 @@ class Strategy(ABC):
         min_available_clients: int = 2,
         client_config: Mapping[str, Scalar] | None = None,
         client_schedule: Mapping[str, Schedule] | None = None,
+        fraction_evaluate: float = 1.0,
+        min_evaluate_clients: int = 1,
     ) -> None:
+        if not 0.0 < fraction_evaluate <= 1.0:
+            raise ConfigError(
+                f"strategy.fraction_evaluate must be in (0, 1], got {fraction_evaluate}"
+            )
+        if min_evaluate_clients < 1:
+            raise ConfigError(
+                f"strategy.min_evaluate_clients must be >= 1, got {min_evaluate_clients}"
+            )
+        self.fraction_evaluate = fraction_evaluate
+        self.min_evaluate_clients = min_evaluate_clients
         if not 0.0 < fraction_fit <= 1.0:
             raise ConfigError(f"strategy.fraction_fit must be in (0, 1], got {fraction_fit}")
         if min_fit_clients < 1:
@@ -145,6 +161,32 @@ class Strategy(ABC):
         """
         base = {**self.base_config(version + 1), "round": job, "version": version}
         return self.round_config(job, client_id, base)
+
+    def configure_evaluate(
+        self, server_round: int, available: Sequence[str], rng: np.random.Generator
+    ) -> dict[str, RoundConfig]:
+        """Who evaluates the model that round `server_round` produced, with which config
+        (`available`: the clients able to evaluate). `fraction_evaluate` of them, at least
+        `min_evaluate_clients`; none (no evaluation) while fewer are available."""
+        if len(available) < self.min_evaluate_clients:
+            return {}
+        k = min(
+            len(available),
+            max(self.min_evaluate_clients, math.ceil(self.fraction_evaluate * len(available))),
+        )
+        ids = sorted(available)
+        chosen = sorted(rng.choice(len(ids), size=k, replace=False).tolist())
+        base = self.base_config(server_round)
+        return {ids[i]: dict(base) for i in chosen}
+
+    def aggregate_evaluate(
+        self, server_round: int, results: Sequence[tuple[int, Mapping[str, float]]]
+    ) -> dict[str, float]:
+        """The federation's evaluation from each evaluating client's (examples, metrics),
+        metrics holding `loss` and whatever the task reported (e.g. `accuracy`), in
+        client-name order: the example-weighted mean of each. Override it for another
+        summary (a median, a weighting of your own)."""
+        return weighted_metrics(results)
 
     def min_results(self, num_selected: int) -> int:
         """Updates needed for a round to count (the rest may drop out)."""

@@ -56,7 +56,7 @@ def deploy(root: Path, task: str, data: list[dict], **server) -> tuple[dict, lis
 
 
 def test_flower_client_in_a_deployment_matches_native(tmp_path) -> None:
-    flower, _ = deploy(
+    flower, flower_metrics = deploy(
         tmp_path / "flower",
         "fedtrain.compat.flower:FlowerTask",
         [{"source": "task", "options": {"partition-id": i}} for i in range(2)],
@@ -79,6 +79,10 @@ def test_flower_client_in_a_deployment_matches_native(tmp_path) -> None:
     native_acc = native_metrics[-1]["accuracy"]
     assert flower_acc == pytest.approx(native_acc, abs=1e-9)
     assert flower_acc > 0.85
+    # the server has no test set: each site's NumPyClient.evaluate() gave the accuracy
+    final = flower_metrics[-1]
+    assert final["eval_source"] == "sites" and sorted(final["site_metrics"]) == list(SITES)
+    assert final["accuracy"] > 0.85
 
 
 def test_a_site_must_name_its_flower_partition() -> None:
@@ -89,8 +93,9 @@ def test_a_site_must_name_its_flower_partition() -> None:
         task.site_data("hospital-a")
     with pytest.raises(ConfigError, match=r"must be in \[0, 2\)"):
         task.site_data("hospital-a", **{"partition-id": 2})
-    data = task.site_data("hospital-b", **{"partition-id": 1})
-    assert [data[i] for i in range(len(data))] == [1]
+    mine = task.site_data("hospital-b", **{"partition-id": 1})
+    for data in (mine.train, mine.test):  # the client's evaluate() is its held-out set
+        assert [data[i] for i in range(len(data))] == [1]
     client = task.client(1)
     assert client is task.client(1)  # built once
 

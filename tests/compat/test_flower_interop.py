@@ -14,7 +14,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 pytest.importorskip("flwr")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from flower_client import native_arrays
+from flower_client import BreastCancerClient, native_arrays
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
@@ -49,6 +49,26 @@ def test_flower_client_in_simulation_matches_native(tmp_path, fn):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     assert [r["clients"] for r in flower.history] == [4, 4, 4]
     assert flower.history[-1]["partition"] == 1.0  # the client's own fit metric came through
+
+
+def test_a_numpy_clients_own_evaluate_gives_the_accuracy_without_a_test_set(tmp_path):
+    result = simulate(
+        tmp_path,
+        "fedtrain.compat.flower:FlowerTask",
+        {"client_fn": "flower_client:client_fn", "num_partitions": 4},
+    )
+    final = result.history[-1]
+    assert final["eval_source"] == "sites" and final["accuracy"] > 0.85
+    arrays = [result.model[k].numpy() for k in ("p0", "p1")]
+    # what each partition's client.evaluate() says of the final model, client by client
+    # (a virtual client holds one partition, not necessarily its own number)
+    expected = []
+    for i in range(4):
+        loss, n, metrics = BreastCancerClient(i, 4).evaluate(arrays, {})
+        expected.append((n, loss, metrics["accuracy"]))
+    got = [(s["examples"], s["loss"], s["accuracy"]) for s in final["site_metrics"].values()]
+    assert len(got) == 4
+    assert sorted(got) == pytest.approx(sorted(expected), rel=1e-6)
 
 
 def test_flower_task_needs_one_partition_per_client(tmp_path):

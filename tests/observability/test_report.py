@@ -89,3 +89,26 @@ def test_report_of_a_live_run_leaves_out_the_line_being_written(tmp_path):
     text = write_report(tmp_path).read_text()
     assert text.count("<tr><td>") == 2
     assert "<th>rounds completed</th><td>2</td>" in text
+
+
+def test_report_of_a_federated_evaluation_names_the_worst_site_and_plots_each_one(tmp_path):
+    config = from_dict(
+        SimConfig,
+        {
+            "task": "fedtrain.examples:SyntheticTask",
+            "task_options": {"num_train": 600, "num_test": 0},  # no test set
+            "eval_fraction": 0.25,
+            "rounds": 3,
+            "num_clients": 4,
+            "partition": {"kind": "quantity", "alpha": 1.0},
+            "run_dir": str(tmp_path / "run"),
+            "client": {"lr": 0.1},
+        },
+    )
+    last = run_simulation(config).history[-1]
+    text = write_report(tmp_path / "run").read_text()
+    assert f"{last['accuracy']:.4f} (federated: 4 sites)" in text
+    assert f"{last['worst_site']}: accuracy {last['worst_accuracy']:.4f}" in text
+    data = (tmp_path / "run" / "report" / "site_accuracy.png").read_bytes()
+    assert data.startswith(PNG) and len(data) > 5_000
+    assert 'src="site_accuracy.png"' in text

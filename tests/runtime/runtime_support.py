@@ -37,7 +37,7 @@ from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.strategy import RoundConfig
-from fedtrain.task import Task, TaskContext, TorchTask, TrainResult
+from fedtrain.task import EvalResult, Task, TaskContext, TorchTask, TrainResult
 from fedtrain.tensor_file import load_tensor_file
 
 HERE = Path(__file__).resolve().parent
@@ -70,6 +70,37 @@ class TinyTask(TorchTask):
         result = super().train(model, data, config, context)
         time.sleep(max(0.0, self.delay_s - (time.monotonic() - started)))
         return result
+
+
+class HeldOutTask(TinyTask):
+    """TinyTask whose server holds no test set: only the sites' held-out data evaluates.
+
+    `eval_marker` (a path): the `slow_call`-th evaluation in this process creates the
+    file and then takes `eval_delay_s` longer, so a test can kill a site while it
+    evaluates. (A site's first evaluation is of the initial model, before it trains
+    round 1; its second answers the server's evaluation of round 1's model.)
+    """
+
+    def __init__(
+        self, eval_marker: str = "", eval_delay_s: float = 0.0, slow_call: int = 2
+    ) -> None:
+        super().__init__()
+        self.eval_marker = eval_marker
+        self.eval_delay_s = eval_delay_s
+        self.slow_call = slow_call
+        self.eval_calls = 0
+
+    def datasets(self) -> tuple[Dataset, None]:  # type: ignore[override]
+        return super().datasets()[0], None
+
+    def evaluate(
+        self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
+    ) -> EvalResult:
+        self.eval_calls += 1
+        if self.eval_marker and self.eval_calls == self.slow_call:
+            Path(self.eval_marker).touch()
+            time.sleep(self.eval_delay_s)
+        return super().evaluate(model, data, config, context)
 
 
 class LrProbeTask(TinyTask):

@@ -3,6 +3,7 @@ nothing left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +29,15 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
         timeout=170,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "final accuracy: 0." in out.stdout
+    assert (
+        "final accuracy: 0." in out.stdout and "(federated: 4 sites' held-out data)" in out.stdout
+    )
+    # the server holds no data: the sites evaluated, and the worst one is named
+    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["eval_source"] == "sites" and sorted(last["site_metrics"]) == [
+        f"site-{i}" for i in range(4)
+    ]
+    assert f"worst site: {last['worst_site']}, accuracy {last['worst_accuracy']:.4f}" in out.stdout
     server_log = (tmp_path / "logs" / "server.log").read_text()
     assert "TLS, sites prove their certificates at join" in server_log and "run" in server_log
     # Secure aggregation is the demo's default: only masked updates reach the server.

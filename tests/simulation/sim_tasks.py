@@ -1,15 +1,17 @@
-"""Tasks with test-only behaviour, importable by worker processes (see conftest.py)."""
+"""Tasks (and a strategy) with test-only behaviour, importable by worker processes
+(see conftest.py)."""
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from fedtrain.examples.synthetic import SyntheticTask
-from fedtrain.strategy import RoundConfig
+from fedtrain.strategy import FedAvg, RoundConfig
 from fedtrain.task import TaskContext, TrainResult
 
 
@@ -70,3 +72,12 @@ class NanTask(SyntheticTask):
         with torch.no_grad():
             next(model.parameters()).fill_(float("nan"))
         return result
+
+
+class MedianEvalFedAvg(FedAvg):
+    """FedAvg whose federated evaluation reports the median client's figures instead
+    of the example-weighted mean (a user's `aggregate_evaluate`)."""
+
+    def aggregate_evaluate(self, server_round, results):
+        keys = results[0][1].keys()
+        return {k: float(np.median([m[k] for _, m in results])) for k in keys}

@@ -24,7 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from fedtrain.errors import ConfigError, FedtrainError
+from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
+from fedtrain.evaluation import (
+    EVALUATE_CAPABILITY,
+    eval_metrics,
+    evaluation_due,
+    federated_record,
+    server_record,
+    where_to_evaluate,
+)
 from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
@@ -35,6 +43,7 @@ from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_record
+from fedtrain.runtime.server.evaluation_round import EvaluationRound
 from fedtrain.runtime.server.faults import fault_point
 from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
 from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
@@ -119,7 +128,11 @@ class Coordinator:
         self.fingerprint = task_fingerprint(task)
         self.device = resolve_device(config.device)
         self._eval_model = model_for(task, config.seed).to(self.device)
-        self.test_data = task.datasets()[1]
+        #: The task's test set, loaded only where the server may evaluate on it.
+        self.test_data = task.datasets()[1] if config.evaluate in ("auto", "server") else None
+        self.evaluate_at = self._where_to_evaluate(config, strategy)
+        #: The federated evaluation in progress (reports from sites go to it), or None.
+        self.evaluation: EvaluationRound | None = None
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
         self.last_metrics: dict[str, Any] = {}
@@ -160,6 +173,43 @@ class Coordinator:
         self.current: RoundState | BufferedRounds | None = None
         if strategy.asynchronous:
             self.current = BufferedRounds(self)
+
+    def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
+        """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
+
+        Under secure aggregation `auto` does not evaluate at the sites: their metrics
+        would reach the server in the clear, which `evaluate = "sites"` then says
+        explicitly. FedBuff's sites train without pause, so an evaluation would
+        displace their jobs: not supported yet."""
+        where = where_to_evaluate(config.evaluate, self.test_data is not None)
+        if where != "sites":
+            if config.evaluate == "server" and where == "off":
+                log.warning("evaluate = 'server' but the task has no test set: no evaluation")
+            return where
+        if strategy.asynchronous:
+            if config.evaluate == "sites":
+                raise ConfigError(
+                    f"evaluate = 'sites' is not supported with the asynchronous strategy "
+                    f"{strategy.name!r} yet (its sites train continuously); use a test set "
+                    "on the server (evaluate = 'server') or a synchronous strategy"
+                )
+            log.warning(
+                "the task has no test set and %s runs asynchronously: no evaluation", strategy.name
+            )
+            return "off"
+        if config.secagg.enabled and config.evaluate == "auto":
+            log.warning(
+                "the task has no test set, and under secure aggregation the sites evaluate "
+                "only with evaluate = 'sites' (each site's evaluation metrics then reach the "
+                "server in the clear; its update never does): no evaluation"
+            )
+            return "off"
+        log.info(
+            "the global model is evaluated at the sites (federated evaluation) every %d "
+            "round(s), on their held-out sets",
+            config.eval_every,
+        )
+        return "sites"
 
     def _distributed_dp(self, resume: bool) -> PrivacyAccountant | None:
         """Distributed DP's accountant (None when off), checked against the real model.
@@ -276,6 +326,9 @@ class Coordinator:
         state = self.current
         if state is not None:
             state.wake()
+        evaluation = self.evaluation
+        if evaluation is not None:
+            evaluation.wake()
 
     @property
     def stopped(self) -> bool:
@@ -487,15 +540,95 @@ class Coordinator:
         return {"bytes": bytes_in + bytes_out, "bytes_in": bytes_in, "bytes_out": bytes_out}
 
     def evaluate_into(self, record: dict[str, Any]) -> None:
-        """Set the record's loss and accuracy: evaluated every `eval_every` and at the end."""
+        """Set the record's loss and accuracy (and the keys of `fedtrain.evaluation`):
+        evaluated every `eval_every` and at the end, on the server's test set or at the
+        sites (`evaluate`)."""
         record["loss"], record["accuracy"] = None, None
         server_round = record["round"]
-        if self.test_data is not None and (
-            server_round % self.config.eval_every == 0 or server_round == self.config.rounds
-        ):
+        if not evaluation_due(server_round, self.config.eval_every, self.config.rounds):
+            return
+        if self.evaluate_at == "server" and self.test_data is not None:
             context = TaskContext(device=self.device, client_id="server", seed=self.config.seed)
             ev = self.task.evaluate(self._eval_model, self.test_data, self.config.client, context)
-            record["loss"], record["accuracy"] = ev.loss, ev.metrics.get("accuracy")
+            record.update(server_record(ev))
+        elif self.evaluate_at == "sites":
+            record.update(self.federated_evaluation(server_round))
+
+    def federated_evaluation(self, server_round: int) -> dict[str, Any]:
+        """Ask the sites the strategy chooses (among those able to) to evaluate the
+        current global model; the record keys of what came back. A site that does not
+        answer is missing, never a failure of the round."""
+        model = self.global_model
+        able = [s.site for s in self.registry.sessions() if EVALUATE_CAPABILITY in s.capabilities]
+        plan = self.strategy.configure_evaluate(server_round, able, self.rng)
+        if not plan:
+            log.warning(
+                "round %d: no evaluation: %d connected site(s) hold a held-out set, "
+                "strategy.min_evaluate_clients = %d (a site evaluates with data.eval_fraction "
+                "or data.eval_path in its site.toml)",
+                server_round,
+                len(able),
+                self.strategy.min_evaluate_clients,
+            )
+            return federated_record({}, {}, [], per_site=False)
+        weights = self.config.weights
+        state = EvaluationRound(
+            server_round,
+            model.version,
+            plan,
+            time.monotonic() + self.config.eval_timeout_s,
+            lambda site: weights.sites.get(site, weights.max_num_examples),
+        )
+        self.evaluation = state
+        try:
+            state.start(
+                {site: self.registry.get(site) for site in plan},
+                time.time() + self.config.eval_timeout_s,
+            )
+            state.wait(lambda: self.stopped)
+        finally:
+            self.evaluation = None
+        results, missing = state.close()
+        for site, why in sorted(missing.items()):
+            log.warning(
+                "round %d: site %r is left out of the evaluation: %s", server_round, site, why
+            )
+        ordered = sorted(results.items())
+        aggregated = (
+            self.strategy.aggregate_evaluate(
+                server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+            )
+            if results
+            else {}
+        )
+        log.info(
+            "round %d: %d of %d site(s) evaluated model %s: %s",
+            server_round,
+            len(results),
+            len(plan),
+            model.version[:12],
+            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
+        )
+        return federated_record(
+            aggregated, results, list(missing), per_site=self.config.site_metrics
+        )
+
+    def evaluation_received(self, session: Session, report: pb.EvalReport) -> None:
+        """A site's EvalReport: counted by the evaluation in progress, or refused (logged
+        and audited; the site is then missing from it)."""
+        state = self.evaluation
+        try:
+            if state is None:
+                raise ProtocolError(
+                    f"site {session.site!r} sent an evaluation of round {report.round}, but no "
+                    "evaluation is in progress (late, or never asked); ignored"
+                )
+            state.receive(session.site, report)
+        except ProtocolError as exc:
+            log.warning("%s", exc)
+            self.audit.record(
+                "evaluation_refused", site=session.site, round=report.round, reason=str(exc)
+            )
 
     def record_round(
         self, record: dict[str, Any], started: float, model: GlobalModel, **audit: Any
@@ -588,12 +721,23 @@ class Coordinator:
 
     # -- events from the servicer ----------------------------------------------------------
     def _on_leave(self, session: Session, reason: str) -> None:
+        evaluation = self.evaluation
+        if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
+            log.warning(
+                "site %r left during round %d's evaluation (%s)",
+                session.site,
+                evaluation.round,
+                reason,
+            )
         state = self.current
         if state is not None and state.settle(session, Outcome.DROPPED):
             log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
-        """A site reported that it cannot deliver this round's update."""
+        """A site reported that it cannot deliver this round's update (or evaluation)."""
+        evaluation = self.evaluation
+        if evaluation is not None and evaluation.round == server_round:
+            evaluation.settle(session.site, f"failed: {message}")
         state = self.current
         if isinstance(state, BufferedRounds):
             state.job_failed(session, server_round)

@@ -151,6 +151,7 @@ class FedtrainServicer:
             peer,
             timeout_s=hb.timeout_s * interval / hb.interval_s,
             certificate=certificate.pem if certificate else b"",
+            capabilities=frozenset(first.join.capabilities),
         )
         session.open_outbox()
         try:
@@ -346,6 +347,10 @@ class FedtrainServicer:
                     await self._run(self.coordinator.site_failed, session, err.round, err.message)
                 elif kind == "secagg":
                     await self._run(self._secagg, session, message.secagg)
+                elif kind == "evaluation":
+                    await self._run(
+                        self.coordinator.evaluation_received, session, message.evaluation
+                    )
                 else:
                     reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
                     log.warning("site %r: %s", session.site, reason)

@@ -52,6 +52,9 @@ class Session:
     closed: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""
+    #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
+    #: held-out set and answers EVALUATE instructions).
+    capabilities: frozenset[str] = frozenset()
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
@@ -95,11 +98,12 @@ def instruct(
     deadline_unix: float,
     *,
     secagg: bool = False,
+    kind: pb.InstructionKind = pb.TRAIN,
 ) -> None:
-    """Push a TRAIN instruction onto the site's control stream."""
+    """Push an instruction (TRAIN, or EVALUATE) onto the site's control stream."""
     instruction = pb.Instruction(
         round=server_round,
-        kind=pb.TRAIN,
+        kind=kind,
         model_version=model_version,
         deadline_unix=deadline_unix,
         secagg=secagg,

@@ -42,6 +42,7 @@ from fedtrain.errors import (
     SecAggError,
     WorkerGroupError,
 )
+from fedtrain.evaluation import EVALUATE_CAPABILITY, check_eval_result
 from fedtrain.parallel import TorchrunGroup
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
@@ -52,6 +53,7 @@ from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
 from fedtrain.task import (
+    EvalResult,
     Task,
     TaskContext,
     TrainResult,
@@ -176,7 +178,8 @@ class SiteDaemon:
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
         #: The held-out set (data.eval_path / eval_fraction / the hook's SiteData.test):
-        #: each round's global model is evaluated on it before training here.
+        #: the server's EVALUATE instructions are answered on it, and each round's global
+        #: model is evaluated on it before training here.
         self.eval_data: Dataset | None = None
         self.model: nn.Module | None = None
         if self.group is None:
@@ -192,6 +195,9 @@ class SiteDaemon:
         self.downloads = 0
         self.rounds_trained = 0
         self._cache: tuple[str, ModelState] | None = None
+        #: (model version, its held-out metrics): a model evaluated on the server's
+        #: EVALUATE is not evaluated again before training from it.
+        self._evaluated: tuple[str, EvalResult] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
         self._call: grpc.Call | None = None
@@ -294,13 +300,21 @@ class SiteDaemon:
             site_name=self.name if (self.insecure or self.config.name) else "",
             task_fingerprint=self.fingerprint,
             protocol_version=wire.PROTOCOL_VERSION,
-            capabilities=CAPABILITIES,
+            capabilities=self.capabilities,
             cached_model_version=cached,
         )
         if challenge is not None and self._identity is not None:
             server_name = self.config.tls.server_name or dialled_host(self.config.server)
             join.proof.CopyFrom(self._identity.proof("join", challenge.nonce, server_name))
         return pb.SiteMessage(join=join)
+
+    @property
+    def capabilities(self) -> tuple[str, ...]:
+        """What this site tells the server it can do; `evaluate` only with a held-out set
+        in this process (a worker-group site does not evaluate yet)."""
+        if self.eval_data is None or self.group is not None:
+            return CAPABILITIES
+        return (*CAPABILITIES, EVALUATE_CAPABILITY)
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
@@ -409,9 +423,14 @@ class SiteDaemon:
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
         """Hand an instruction to the trainer; a newer one replaces one not yet started."""
+        if instruction.kind == pb.EVALUATE and EVALUATE_CAPABILITY in self.capabilities:
+            with self._job_ready:
+                self._job = (link, instruction)
+                self._job_ready.notify()
+            return
         if instruction.kind != pb.TRAIN:
             log.warning(
-                "ignoring a %s instruction (only TRAIN is supported)",
+                "ignoring a %s instruction (this site does not do it)",
                 pb.InstructionKind.Name(instruction.kind),
             )
             return
@@ -438,7 +457,10 @@ class SiteDaemon:
                     return
                 link, instruction = self._job  # type: ignore[misc]
                 self._job = None
-            self._run_instruction(link, instruction)
+            if instruction.kind == pb.EVALUATE:
+                self._run_evaluation(link, instruction)
+            else:
+                self._run_instruction(link, instruction)
 
     def _run_instruction(self, link: Link, instruction: pb.Instruction) -> None:
         server_round = instruction.round
@@ -449,7 +471,9 @@ class SiteDaemon:
             global_state = self.fetch_model(link, instruction.model_version)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
-            local, result = self._train(global_state, config, instruction.deadline_unix)
+            local, result = self._train(
+                global_state, config, instruction.deadline_unix, instruction.model_version
+            )
             clock.mark("train")
             if instruction.secagg:  # the update leaves the site only masked
                 header, chunks = self.secagg.masked_update(
@@ -496,8 +520,54 @@ class SiteDaemon:
             log.exception("round %d failed at this site", server_round)
             link.report(server_round, f"{type(exc).__name__}: {exc}")
 
+    def _run_evaluation(self, link: Link, instruction: pb.Instruction) -> None:
+        """Answer an EVALUATE: the model version on the held-out set, as an EvalReport on
+        the control stream. A failure is reported (the server leaves this site out of the
+        round's evaluation); it never ends the daemon."""
+        server_round = instruction.round
+        if link.closed.is_set():
+            return
+        try:
+            global_state = self.fetch_model(link, instruction.model_version)
+            assert self.model is not None
+            global_state.load_into(self.model)
+            ev = self._held_out(
+                wire.config_from_proto(instruction.config), instruction.model_version
+            )
+            assert ev is not None  # the capability is advertised only with a held-out set
+            check_eval_result(ev, f"site {self.name!r}, round {server_round}")
+            report = pb.EvalReport(
+                round=server_round,
+                model_version=instruction.model_version,
+                num_examples=ev.num_examples,
+                loss=ev.loss,
+                metrics={k: float(v) for k, v in ev.metrics.items()},
+            )
+            if not link.closed.is_set():
+                link.outbox.put(pb.SiteMessage(evaluation=report))
+        except grpc.RpcError as exc:
+            if link.closed.is_set() or self._stop.is_set():
+                return
+            log.warning("round %d: evaluation: model download failed: %s", server_round, exc)
+            link.report(server_round, f"evaluation: {rpc.describe_rpc_error(exc)}")
+        except Exception as exc:  # the task's code may raise anything; the daemon survives it
+            log.exception("round %d: evaluation failed at this site", server_round)
+            link.report(server_round, f"evaluation: {type(exc).__name__}: {exc}")
+
+    def _held_out(self, config: RoundConfig, version: str) -> EvalResult | None:
+        """The loaded model (version `version`) on the held-out set; once per version."""
+        if self.eval_data is None or self.model is None:
+            return None
+        done = self._evaluated
+        if done is not None and done[0] == version:
+            return done[1]
+        ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
+        log.info("held-out set (%d examples): loss %.4f %s", ev.num_examples, ev.loss, ev.metrics)
+        self._evaluated = (version, ev)
+        return ev
+
     def _train(
-        self, global_state: ModelState, config: RoundConfig, deadline_unix: float
+        self, global_state: ModelState, config: RoundConfig, deadline_unix: float, version: str
     ) -> tuple[ModelState, TrainResult]:
         """One round's local training: (trained state, result), in this process or on
         the worker group. The state may be views of the live weights (no copy on the
@@ -509,19 +579,18 @@ class SiteDaemon:
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
-        held_out = self._evaluate(config)
+        held_out = self._evaluate(config, version)
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
         if held_out:
             result = replace(result, metrics={**result.metrics, **held_out})
         return ModelState(self.model.state_dict()), result
 
-    def _evaluate(self, config: RoundConfig) -> dict[str, float]:
+    def _evaluate(self, config: RoundConfig, version: str) -> dict[str, float]:
         """The global model (loaded in self.model) on the held-out set, as `site_eval_*`
         metrics that travel with a plain update (a masked one carries no metrics)."""
-        if self.eval_data is None or self.model is None:
+        ev = self._held_out(config, version)
+        if ev is None:
             return {}
-        ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
-        log.info("held-out set (%d examples): loss %.4f %s", ev.num_examples, ev.loss, ev.metrics)
         return {
             "site_eval_loss": ev.loss,
             "site_eval_examples": float(ev.num_examples),

@@ -39,7 +39,9 @@ def site_data(task: Task, config: DataConfig, site_name: str) -> SiteData:
         return file_data(config)
     if config.source == "task":
         return _hook_data(task, config, site_name)
-    return SiteData(_partition(task, config, site_name))
+    return SiteData(
+        *holdout(_partition(task, config, site_name), config.eval_fraction, config.seed)
+    )
 
 
 def file_data(config: DataConfig) -> SiteData:

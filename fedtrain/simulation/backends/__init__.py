@@ -29,7 +29,8 @@ class Backend(Protocol):
     def __exit__(self, *exc: object) -> None: ...
 
     def run_round(self, plan: RoundPlan, global_state: ModelState) -> Iterator[WorkerEvent]:
-        """Train the plan's shares from `global_state`; events in any order across workers."""
+        """Train the plan's shares from `global_state` (or, for an evaluation plan,
+        evaluate it at each client); events in any order across workers."""
         ...
 
 

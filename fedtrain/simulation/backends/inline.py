@@ -51,4 +51,6 @@ class InlineBackend:
             raise RuntimeError("InlineBackend used outside its `with` block")
         for worker, share in enumerate(plan.shares):
             if share:
-                yield from self._runner.run_share(worker, share, global_state, plan.fold_in_workers)
+                yield from self._runner.run_share(
+                    worker, share, global_state, plan.fold_in_workers, plan.evaluate
+                )

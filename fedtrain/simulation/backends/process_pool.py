@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0  # how long idle workers get to exit after being asked to
 KILL_GRACE_S = 5.0  # after SIGTERM, before SIGKILL
 
-Share = tuple[int, tuple[ClientWork, ...], bool]  # (round, clients, fold in worker)
+#: (round, clients, fold in worker, evaluate instead of train)
+Share = tuple[int, tuple[ClientWork, ...], bool, bool]
 
 
 class ProcessPoolBackend(WorkerPool):
@@ -132,7 +133,12 @@ class ProcessPoolBackend(WorkerPool):
         busy = [w for w, share in enumerate(plan.shares) if share]
         self._busy = True
         for worker in busy:
-            share: Share = (plan.server_round, plan.shares[worker], plan.fold_in_workers)
+            share: Share = (
+                plan.server_round,
+                plan.shares[worker],
+                plan.fold_in_workers,
+                plan.evaluate,
+            )
             self._conns[worker].send(share)
         while busy:
             for worker in self._ready(busy):
@@ -209,9 +215,9 @@ def worker_main(
             share = None  # the driver is gone
         if share is None:
             exit_now()
-        _, clients, fold = share
+        _, clients, fold, evaluate = share
         try:
-            for event in runner.run_share(worker, clients, global_state, fold):
+            for event in runner.run_share(worker, clients, global_state, fold, evaluate):
                 conn.send(transport.detach(event, sums_out=sums_buffer))
         except Exception as exc:
             conn.send(

@@ -59,11 +59,16 @@ class RayWorker:
         return os.getpid()
 
     def run_share(
-        self, worker: int, model: np.ndarray, share: tuple[ClientWork, ...], fold: bool
+        self,
+        worker: int,
+        model: np.ndarray,
+        share: tuple[ClientWork, ...],
+        fold: bool,
+        evaluate: bool = False,
     ) -> Iterator[tuple[WorkerEvent, np.ndarray | None]]:
         """A Ray generator: `model` arrives zero-copy from the node's object store."""
         global_state = self.transport.model.unpack(model)
-        for event in self.runner.run_share(worker, share, global_state, fold):
+        for event in self.runner.run_share(worker, share, global_state, fold, evaluate):
             yield self.transport.detach(event)
 
 
@@ -142,7 +147,7 @@ class RayActorsBackend(WorkerPool):
         model_ref = ray.put(self.transport.model.pack(global_state).numpy())
         streams = {
             worker: self._actors[worker].run_share.remote(
-                worker, model_ref, share, plan.fold_in_workers
+                worker, model_ref, share, plan.fold_in_workers, plan.evaluate
             )
             for worker, share in enumerate(plan.shares)
             if share

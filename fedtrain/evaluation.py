@@ -1,0 +1,133 @@
+"""Evaluation of the global model: where it runs, when, and what the round record says.
+
+The server often holds no data (a hospital federation), so the global model is
+evaluated where the data is: chosen sites (or virtual clients) evaluate a model
+version on their held-out data and report `EvalResult`s; the strategy aggregates
+them (`Strategy.aggregate_evaluate`, example-weighted by default); the round record
+carries the federation's `loss`/`accuracy` plus, per site, what each one measured,
+so an operator sees where the model is good, not only its mean.
+
+`evaluate` (server.toml and sim.toml) picks where:
+
+- `auto`: on the task's test set when the server (the simulation's driver) has one,
+  else at the sites;
+- `server`: only on the task's test set (none: no evaluation);
+- `sites`: only at the sites, even if a test set exists (it is then never loaded);
+- `off`: never.
+
+This module is core: the runtime and the simulation both build their records with
+it, so the keys mean the same in every driver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from fedtrain.errors import ConfigError
+from fedtrain.task import EvalResult
+
+EvaluateAt = Literal["auto", "server", "sites", "off"]
+EVALUATE_DOC = (
+    "Where the global model is evaluated every eval_every rounds (and after the last): "
+    "`auto` on the task's test set when it has one, else at the sites (a simulation's "
+    "virtual clients); `server` on the "
+    "test set only; `sites` at the sites only (federated evaluation: each chosen site "
+    "evaluates on its held-out data; the record's loss/accuracy are the example-weighted "
+    "means, with each site's values in `site_metrics`); `off`."
+)
+SITE_METRICS_DOC = (
+    "Federated evaluation: write each site's (virtual client's) evaluation metrics "
+    "(`site_metrics`, `worst_site`) to metrics.jsonl; false: only the federation's "
+    "means (a deployment's server still receives each site's figures)."
+)
+#: What a site that can evaluate (it holds a held-out set) advertises when it joins.
+EVALUATE_CAPABILITY = "evaluate"
+
+
+def evaluation_due(server_round: int, every: int, last_round: int) -> bool:
+    """Whether round `server_round` is evaluated: every `every` rounds and the last."""
+    return server_round % every == 0 or server_round == last_round
+
+
+def where_to_evaluate(setting: str, has_test_set: bool) -> Literal["server", "sites", "off"]:
+    """The resolved place of evaluation for `evaluate = setting`."""
+    if setting == "auto":
+        return "server" if has_test_set else "sites"
+    if setting == "server":
+        return "server" if has_test_set else "off"
+    if setting in ("sites", "off"):
+        return setting  # type: ignore[return-value]
+    raise ConfigError(f"evaluate = {setting!r} must be one of auto, server, sites, off")
+
+
+def eval_metrics(result: EvalResult) -> dict[str, float]:
+    """One evaluation as the flat metrics a strategy aggregates: `loss` plus the rest."""
+    return {"loss": float(result.loss), **{k: float(v) for k, v in result.metrics.items()}}
+
+
+def check_eval_result(result: EvalResult, where: str) -> None:
+    """Refuse what cannot be averaged: no examples, or a non-finite number."""
+    if result.num_examples < 1:
+        raise ValueError(f"{where}: evaluated on {result.num_examples} examples (need >= 1)")
+    bad = [k for k, v in eval_metrics(result).items() if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"{where}: non-finite evaluation metric(s) {', '.join(bad)}")
+
+
+def server_record(result: EvalResult) -> dict[str, Any]:
+    """The record's evaluation keys for an evaluation on the server's test set."""
+    return {
+        "loss": result.loss,
+        "accuracy": result.metrics.get("accuracy"),
+        "eval_source": "server",
+        "eval_examples": result.num_examples,
+    }
+
+
+def federated_record(
+    aggregated: Mapping[str, float],
+    results: Mapping[str, EvalResult],
+    missing: Sequence[str],
+    *,
+    per_site: bool = True,
+) -> dict[str, Any]:
+    """The record's evaluation keys for a federated evaluation.
+
+    `aggregated`: what the strategy made of the results (`loss`, `accuracy`, any other
+    metric: `eval_<name>`); `results`: each counted site's own evaluation; `missing`:
+    sites asked that did not answer (gone, failed, past the deadline, refused). With
+    `per_site`, each site's metrics (`site_metrics`) and the worst site by accuracy
+    (else by loss) are in the record; without, only the federation's figures.
+    """
+    record: dict[str, Any] = {
+        "loss": aggregated.get("loss"),
+        "accuracy": aggregated.get("accuracy"),
+        "eval_source": "sites",
+        "eval_examples": sum(r.num_examples for r in results.values()),
+        "eval_sites": len(results),
+        "eval_missing": sorted(missing),
+        **{f"eval_{k}": v for k, v in aggregated.items() if k not in ("loss", "accuracy")},
+    }
+    if not per_site or not results:
+        return record
+    record["site_metrics"] = {
+        site: {"examples": r.num_examples, **eval_metrics(r)} for site, r in sorted(results.items())
+    }
+    worst = worst_site(results)
+    if worst is not None:
+        record["worst_site"] = worst
+        record["worst_accuracy"] = results[worst].metrics.get("accuracy")
+        record["worst_loss"] = results[worst].loss
+    return record
+
+
+def worst_site(results: Mapping[str, EvalResult]) -> str | None:
+    """The site where the model does worst: lowest accuracy, or highest loss when the
+    task reports no accuracy (ties: the first name)."""
+    if not results:
+        return None
+    if all("accuracy" in r.metrics for r in results.values()):
+        return min(sorted(results), key=lambda s: results[s].metrics["accuracy"])
+    return max(sorted(results), key=lambda s: results[s].loss)

@@ -1,0 +1,117 @@
+"""Federated evaluation in a simulation: the chosen virtual clients evaluate the model.
+
+The same strategy hooks as a deployment (`configure_evaluate`, `aggregate_evaluate`)
+and the same record keys (`fedtrain.evaluation.federated_record`). The clients
+evaluate on the workers that own them, through the backend's ordinary round path
+(an evaluation `RoundPlan`), on their held-out data: a seeded `eval_fraction` of
+each client's share, or what the task's `client_test_data` gives (a Flower client's
+own evaluation). Heterogeneity's dropouts do not apply to evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import numpy as np
+
+from fedtrain.errors import ConfigError
+from fedtrain.evaluation import eval_metrics, federated_record, where_to_evaluate
+from fedtrain.simulation.backends import Backend
+from fedtrain.simulation.config import SimConfig
+from fedtrain.simulation.events import ClientResult
+from fedtrain.simulation.plan import ClientWork, RoundPlan
+from fedtrain.simulation.population import ClientPopulation
+from fedtrain.strategy import Strategy
+from fedtrain.task import EvalResult
+from fedtrain.tensors import ModelState
+
+log = logging.getLogger(__name__)
+
+
+def where_to_evaluate_sim(
+    config: SimConfig, strategy: Strategy, has_test_set: bool, clients_hold_out: bool
+) -> Literal["server", "sites", "off"]:
+    """`config.evaluate` resolved for this run, as a deployment's server resolves it:
+    under secure aggregation `auto` never evaluates at the clients (their metrics
+    would be seen in the clear), and asynchronous strategies evaluate on the test
+    set only."""
+    where = where_to_evaluate(config.evaluate, has_test_set)
+    if where != "sites":
+        return where
+    if strategy.asynchronous:
+        if config.evaluate == "sites":
+            raise ConfigError(
+                f"evaluate = 'sites' is not supported with the asynchronous strategy "
+                f"{strategy.name!r} yet; evaluate on the task's test set (evaluate = 'server')"
+            )
+        return "off"
+    if config.secagg.enabled and config.evaluate == "auto":
+        log.warning(
+            "the task has no test set, and under secure aggregation clients evaluate only "
+            "with evaluate = 'sites' (their metrics are then seen in the clear): no evaluation"
+        )
+        return "off"
+    if not clients_hold_out:
+        log.warning(
+            "the task has no test set and the clients hold no held-out data: no evaluation "
+            "(set eval_fraction in sim.toml, e.g. 0.2, for federated evaluation)"
+        )
+        return "off"
+    return "sites"
+
+
+def evaluate_clients(
+    backend: Backend,
+    strategy: Strategy,
+    population: ClientPopulation,
+    server_round: int,
+    global_state: ModelState,
+    rng: np.random.Generator,
+    *,
+    per_site: bool = True,
+) -> dict[str, Any]:
+    """The record keys of one federated evaluation of `global_state`."""
+    chosen = strategy.configure_evaluate(server_round, population.ids, rng)
+    if not chosen:
+        return federated_record({}, {}, [], per_site=False)
+    shares: list[list[ClientWork]] = [[] for _ in range(backend.num_workers)]
+    for client_id in sorted(chosen):
+        shares[population.index(client_id) % backend.num_workers].append(
+            (client_id, chosen[client_id])
+        )
+    plan = RoundPlan(
+        server_round,
+        tuple(sorted(chosen)),
+        (),
+        tuple(tuple(share) for share in shares),
+        fold_in_workers=False,
+        evaluate=True,
+    )
+    results: dict[str, EvalResult] = {}
+    missing: list[str] = []
+    for event in backend.run_round(plan, global_state):
+        if not isinstance(event, ClientResult):
+            continue
+        if event.rejected is not None:
+            missing.append(event.client_id)
+            continue
+        metrics = dict(event.metrics)
+        loss = metrics.pop("loss")
+        results[event.client_id] = EvalResult(event.num_examples, loss, metrics)
+    if missing:
+        log.warning(
+            "round %d: %d chosen client(s) left out of the evaluation (no held-out "
+            "examples, e.g. a share too small for eval_fraction, or an implausible result)",
+            server_round,
+            len(missing),
+        )
+    ordered = sorted(results.items())
+    aggregated = (
+        strategy.aggregate_evaluate(
+            server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+        )
+        if results
+        else {}
+    )
+    return federated_record(aggregated, results, missing, per_site=per_site)

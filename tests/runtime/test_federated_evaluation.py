@@ -1,0 +1,100 @@
+"""Federated evaluation in a real deployment: the server holds no data.
+
+`fedtrain server` (its task has no test set) and three `fedtrain client` processes on
+127.0.0.1, each holding a different-sized part of the data with a held-out fifth.
+Every round the sites evaluate the new global model; the server's metrics line
+carries the example-weighted mean and each site's own figures. One site is killed
+(SIGKILL) while it evaluates round 1: the round still completes without it, and the
+site, started again, evaluates the later rounds.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from runtime_support import Deployment, wait_for
+
+from fedtrain.runtime.demo import fedtrain_command
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+SITES = ("hospital-a", "hospital-b", "hospital-c")
+TASK = "runtime_support:HeldOutTask"
+HELD_OUT = re.compile(r"held-out set \((\d+) examples\): loss ([0-9.]+) \{'accuracy': ([0-9.]+)\}")
+
+
+def site_data(i: int) -> dict:
+    """Part i of a quantity-skewed split (different sizes), a fifth of it held out."""
+    return {
+        "kind": "quantity",
+        "alpha": 1.0,
+        "partition": i,
+        "num_partitions": len(SITES),
+        "eval_fraction": 0.2,
+    }
+
+
+def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_fail_it(
+    tmp_path: Path,
+):
+    marker = tmp_path / "evaluating"
+    with Deployment(
+        tmp_path,
+        TASK,
+        secure=False,
+        rounds=3,
+        strategy={"min_fit_clients": 2, "min_available_clients": 3},
+        client={"epochs": 2, "batch_size": 16, "lr": 0.1},
+    ) as dep:
+        dep.start_server()
+        for i, name in enumerate(SITES[:2]):
+            dep.start_site(name, data=site_data(i))
+        slow = SITES[2]
+        dep.start_site(
+            slow,
+            data=site_data(2),
+            task_options={"eval_marker": str(marker), "eval_delay_s": 60.0},
+        )
+        wait_for(marker.exists, 120, f"{slow} to start evaluating round 1")
+        dep.proc(slow).kill()  # SIGKILL mid-evaluation
+        dep.proc(slow).wait(10)
+        again = dep.site_toml(slow, data=site_data(2))  # started again, as systemd would
+        dep.start_command(
+            f"{slow}-again", fedtrain_command("client", "--config", str(again), "--insecure")
+        )
+        assert dep.wait_server(150) == 0, dep.log("server")
+        logs = {name: dep.log(name) for name in (*SITES[:2], f"{slow}-again")}
+        dep.close()
+
+    metrics = dep.metrics()
+    assert [r["round"] for r in metrics] == [1, 2, 3]
+    assert not dep.audit("round_failed")
+    for record in metrics:
+        assert record["eval_source"] == "sites"
+        sites = record["site_metrics"]
+        expected = SITES[:2] if record["round"] == 1 else SITES
+        assert sorted(sites) == list(expected)
+        n = sum(s["examples"] for s in sites.values())
+        assert record["eval_examples"] == n
+        mean_acc = sum(s["examples"] * s["accuracy"] for s in sites.values()) / n
+        mean_loss = sum(s["examples"] * s["loss"] for s in sites.values()) / n
+        assert record["accuracy"] == pytest.approx(mean_acc, abs=1e-12)
+        assert record["loss"] == pytest.approx(mean_loss, abs=1e-12)
+        worst = min(sites, key=lambda s: sites[s]["accuracy"])
+        assert record["worst_accuracy"] == sites[worst]["accuracy"]
+    assert metrics[0]["eval_missing"] == [slow]
+    assert metrics[0]["eval_sites"] == 2
+    assert all(r["eval_missing"] == [] for r in metrics[1:])
+    sizes = {s["examples"] for s in metrics[-1]["site_metrics"].values()}
+    assert len(sizes) > 1  # different local data: the weighting matters
+    assert metrics[-1]["accuracy"] > 0.8
+
+    # what each site measured (its own log) is what the server recorded for it
+    for name, log in (("hospital-a", logs["hospital-a"]), (slow, logs[f"{slow}-again"])):
+        measured = [tuple(map(float, m)) for m in HELD_OUT.findall(log)]
+        recorded = metrics[-1]["site_metrics"][name]
+        assert (recorded["examples"], recorded["loss"], recorded["accuracy"]) == pytest.approx(
+            measured[-1], abs=1e-4
+        ), (name, measured)

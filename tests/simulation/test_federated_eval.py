@@ -1,0 +1,91 @@
+"""Federated evaluation in a simulation: no test set, the clients evaluate.
+
+The same strategy hooks and record keys as a deployment: the chosen clients evaluate
+each round's model on their held-out share (`eval_fraction`), the record's accuracy
+is the strategy's aggregate of theirs, and every client's figures are in it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedtrain.simulation import run_simulation
+
+NO_TEST_SET = {"num_train": 800, "num_test": 0}
+
+
+def weighted(sites: dict, key: str) -> float:
+    n = sum(s["examples"] for s in sites.values())
+    return sum(s["examples"] * s[key] for s in sites.values()) / n
+
+
+def test_without_a_test_set_the_clients_held_out_shares_give_the_accuracy(make_config):
+    config = make_config(
+        task_options=NO_TEST_SET,
+        num_clients=8,
+        eval_fraction=0.25,
+        backend="inline",
+        partition={"kind": "quantity", "alpha": 1.0},
+        strategy={"fraction_fit": 0.5, "min_fit_clients": 2, "fraction_evaluate": 0.5},
+    )
+    result = run_simulation(config)
+    assert result.final_accuracy is not None and result.final_accuracy > 0.6
+    text = (Path(config.run_dir) / "metrics.jsonl").read_text()
+    lines = [json.loads(x) for x in text.splitlines()]
+    assert lines == json.loads(json.dumps(result.history))
+    for record in result.history:
+        sites = record["site_metrics"]
+        assert record["eval_source"] == "sites" and record["eval_sites"] == 4 == len(sites)
+        assert record["accuracy"] == pytest.approx(weighted(sites, "accuracy"), abs=1e-12)
+        assert record["loss"] == pytest.approx(weighted(sites, "loss"), abs=1e-12)
+        assert record["eval_examples"] == sum(s["examples"] for s in sites.values())
+        worst = min(sites, key=lambda c: sites[c]["accuracy"])
+        assert (record["worst_site"], record["worst_accuracy"]) == (
+            worst,
+            sites[worst]["accuracy"],
+        )
+
+
+@pytest.mark.integration
+def test_the_process_backend_evaluates_the_same_clients_to_the_same_figures(make_config):
+    common = {
+        "task_options": NO_TEST_SET,
+        "num_clients": 6,
+        "rounds": 2,
+        "eval_fraction": 0.3,
+        "workers": 2,
+    }
+    inline = run_simulation(make_config("inline", backend="inline", **common))
+    pooled = run_simulation(make_config("process", backend="process", **common))
+    keys = ("accuracy", "loss", "site_metrics", "eval_examples")
+    assert [{k: r[k] for k in keys} for r in pooled.history] == [
+        {k: r[k] for k in keys} for r in inline.history
+    ]
+
+
+def test_a_user_strategy_aggregates_the_evaluation_its_own_way(make_config):
+    config = make_config(
+        task_options=NO_TEST_SET,
+        num_clients=5,
+        rounds=1,
+        eval_fraction=0.3,
+        backend="inline",
+        partition={"kind": "quantity", "alpha": 1.0},
+        strategy={"name": "sim_tasks:MedianEvalFedAvg", "min_fit_clients": 2},
+    )
+    (record,) = run_simulation(config).history
+    accuracies = [s["accuracy"] for s in record["site_metrics"].values()]
+    assert record["accuracy"] == float(np.median(accuracies))
+
+
+def test_with_neither_a_test_set_nor_held_out_shares_the_log_says_how_to_evaluate(
+    make_config, caplog
+):
+    config = make_config(task_options=NO_TEST_SET, rounds=1, backend="inline")
+    (record,) = run_simulation(config).history
+    assert record["accuracy"] is None and "site_metrics" not in record
+    assert "set eval_fraction in sim.toml" in caplog.text
