@@ -107,6 +107,7 @@ class SwarmSite:
         self.stats = stats
         self._uploads = uploads  # value index -> encoded chunk messages (shared cache)
         self.joined = asyncio.Event()
+        self.heartbeat_s = 5.0
 
     async def run(self, fingerprint: str, stop: asyncio.Event) -> None:
         delay = RETRY_MIN_S
@@ -145,7 +146,8 @@ class SwarmSite:
             welcome = first.welcome
             self.stats.joined += 1
             self.joined.set()
-            tasks.append(asyncio.create_task(self._heartbeats(call, welcome.heartbeat_interval_s)))
+            self.heartbeat_s = welcome.heartbeat_interval_s
+            tasks.append(asyncio.create_task(self._heartbeats(call)))
             while True:
                 message = await call.read()
                 if message is grpc.aio.EOF:
@@ -154,6 +156,8 @@ class SwarmSite:
                 kind = message.WhichOneof("kind")
                 if kind == "shutdown":
                     return "done", 0.0
+                if kind == "pace":  # a longer heartbeat interval, as a daemon obeys it
+                    self.heartbeat_s = message.pace.heartbeat_interval_s
                 if kind == "instruction":
                     tasks.append(
                         asyncio.create_task(self._train(stub, welcome, message.instruction))
@@ -168,10 +172,10 @@ class SwarmSite:
                 task.cancel()
             call.cancel()
 
-    async def _heartbeats(self, call: Any, interval_s: float) -> None:
+    async def _heartbeats(self, call: Any) -> None:
         sequence = 0
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.heartbeat_s)
             sequence += 1
             await call.write(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=sequence)))
 

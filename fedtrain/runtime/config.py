@@ -34,7 +34,8 @@ class HeartbeatConfig:
         5.0,
         "How often sites send a heartbeat (told to them on join). With many sites the "
         "server asks for longer intervals, so that all heartbeats together stay under "
-        "200 per second (liveness comes from keepalive pings and from any bytes received).",
+        "200 per second, and tells sites that joined earlier the longer interval as the "
+        "federation grows (liveness comes from keepalive pings and any bytes received).",
     )
     timeout_s: float = option(
         30.0,

@@ -28,6 +28,7 @@ from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
+from fedtrain.runtime.server import servicer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.site.daemon import Backoff, SiteDaemon
@@ -323,3 +324,69 @@ def test_sites_joining_at_once_never_overfill_the_server() -> None:
     assert registry.add(Session(registered, "ipv4:127.0.0.1:9"), capacity=10) is not None
     with pytest.raises(AtCapacity):
         registry.add(Session(refused[0], "ipv4:127.0.0.1:8"), capacity=10)
+
+
+def test_sites_that_joined_a_smaller_federation_are_told_a_longer_heartbeat_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The interval grows with the number of sites, but a site keeps the one it was told
+    at join: the first thousand kept 5 s and 10,000 sites sent 660 heartbeats a second
+    instead of 200. As the federation grows the server tells the early ones again."""
+    monkeypatch.setattr(servicer, "HEARTBEATS_PER_S", 1.0)  # 4 sites: 4 s apart
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=5)  # no round: 4 never reach 5
+    fp = task_fingerprint(task)
+    sites = []
+    try:
+        for name in ("a", "b", "c", "d"):  # each registered once its Welcome is read
+            sites.append(FakeSite(server.port, name, fp))
+        for site in sites[:3]:  # joined with 1, 2 and 3 connected: intervals 1, 2, 3 s
+            told = [0.0]  # paced again each time the federation grew by a quarter
+            while told[-1] < 4.0:
+                told.append(site.expect("pace", timeout=10).pace.heartbeat_interval_s)
+            assert told[-1] == 4.0 and told == sorted(told), (site.name, told)
+        assert sites[3].inbox.empty()  # d joined with 4 connected: 4 s already
+        for session in server.registry.sessions():
+            assert session.heartbeat_interval_s == 4.0
+            assert session.timeout_s == pytest.approx(10.0 * 4.0 / 0.2)  # scaled with it
+    finally:
+        for site in sites:
+            site.close()
+        server.stop()
+
+
+def test_a_daemon_told_a_longer_interval_sends_its_heartbeats_that_far_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(servicer, "HEARTBEATS_PER_S", 1.0)
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=9)  # no round starts
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "name": "daemon",
+        "server": f"127.0.0.1:{server.port}",
+    }
+    daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=True, task=task)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    thread.start()
+    others = []
+    try:
+        wait_for(lambda: server.registry.get("daemon"), 30, "the daemon's join")
+        session = server.registry.get("daemon")
+        assert session.heartbeat_interval_s == 1.0  # alone: one heartbeat a second
+        fp = task_fingerprint(task)
+        others = [FakeSite(server.port, f"other-{i}", fp) for i in range(5)]  # 6: 6 s apart
+        wait_for(lambda: session.heartbeat_interval_s == 6.0, 10, "the daemon's re-pacing")
+        time.sleep(1.5)  # a heartbeat sent under the old interval may still arrive
+        seen = {session.last_seen}
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            seen.add(session.last_seen)
+            time.sleep(0.05)
+        assert len(seen) <= 2, f"{len(seen) - 1} heartbeats in 4 s from a site told 6 s"
+    finally:
+        daemon.stop()
+        thread.join(10)
+        for site in others:
+            site.close()
+        server.stop()

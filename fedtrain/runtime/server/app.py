@@ -265,10 +265,12 @@ class AggregationServer:
     async def _watch_heartbeats(self) -> None:
         """Disconnect sites that went silent past their timeout (a host whose process
         hangs may keep answering keepalive pings, which gRPC's C core does, for ever);
-        also write the counts of repeated refusals whose window has passed."""
+        re-pace sites' heartbeats as the federation grows; write the counts of repeated
+        refusals whose window has passed."""
         while True:
             await asyncio.sleep(self.config.heartbeat.interval_s)
             self.audit.flush_refusals()
+            self.servicer.repace()
             for session in self.registry.silent():
                 log.warning(
                     "site %r sent nothing for %.0fs (its heartbeat timeout); disconnecting it",

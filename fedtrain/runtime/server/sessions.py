@@ -49,6 +49,8 @@ class Session:
     #: How long the site may stay silent before it is disconnected: its heartbeat
     #: interval grows with the federation's size (see `servicer.heartbeat_interval`).
     timeout_s: float = 30.0
+    #: The heartbeat interval the site was told (Welcome, then Pace as sites join).
+    heartbeat_interval_s: float = 5.0
     closed: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""

@@ -122,6 +122,8 @@ class Link:
     closed: threading.Event = field(default_factory=threading.Event)
     #: The server's update codec (told in Welcome); `Codec()` sends plain deltas.
     codec: Codec = field(default_factory=Codec)
+    #: Seconds between heartbeats: told in Welcome, lengthened by Pace as sites join.
+    heartbeat_interval_s: float = 5.0
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -353,6 +355,9 @@ class SiteDaemon:
                             "the server sent a secure-aggregation stage before Welcome"
                         )
                     self.secagg.handle(link, message.secagg)
+                elif kind == "pace":
+                    if link is not None and message.pace.heartbeat_interval_s > 0:
+                        link.heartbeat_interval_s = message.pace.heartbeat_interval_s
                 elif kind == "reject":
                     raise JoinRefused(message.reject.reason, message.reject.retry_after_s)
                 elif kind == "shutdown":
@@ -398,11 +403,12 @@ class SiteDaemon:
             )
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         link.codec = self._codec(w)
+        link.heartbeat_interval_s = w.heartbeat_interval_s
         self.run_complete = False  # a new run, or the same one resumed
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
             target=_heartbeat,
-            args=(link, w.heartbeat_interval_s),
+            args=(link,),
             name="fedtrain-heartbeat",
             daemon=True,
         ).start()
@@ -752,8 +758,8 @@ def _drain(outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> Iterator[pb.Site
         yield message
 
 
-def _heartbeat(link: Link, interval_s: float) -> None:
+def _heartbeat(link: Link) -> None:
     sequence = 0
-    while not link.closed.wait(interval_s):
+    while not link.closed.wait(link.heartbeat_interval_s):
         sequence += 1
         link.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(sequence=sequence)))
