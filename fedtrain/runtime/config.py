@@ -43,10 +43,11 @@ class HeartbeatConfig:
         "with the site's heartbeat interval when the server lengthened it.",
     )
     keepalive_s: float = option(
-        20.0,
+        60.0,
         "HTTP/2 keepalive: the server pings every site connection this often, and closes "
         "one that does not answer within as long again (the site is then gone: a "
-        "crashed host or a cut link is noticed without a message from it).",
+        "crashed host or a cut link is noticed without a message from it). Each ping is "
+        "gRPC work: 10,000 sites pinged every 20 s cost 3% of a core at idle.",
     )
 
 
