@@ -61,6 +61,8 @@ MESSAGE_BYTES = 16 << 20
 #: A site that was refused (e.g. "at capacity") tries again after this long, as a
 #: daemon's reconnect back-off would (min_s..max_s, doubling).
 RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
+#: Seconds between the last join and the idle CPU window (two watchdog passes).
+SETTLE_S = 10.0
 
 
 def site_value(index: int) -> float:
@@ -388,6 +390,9 @@ def run_swarm(
         want = sites - 1
         while time.monotonic() < deadline and _joined(pipes) < want:
             time.sleep(1.0)
+        # Idle means steady: the joins' tail and the watchdog's re-pacing of early
+        # sites' heartbeats (every heartbeat.interval_s) are over before the window.
+        time.sleep(SETTLE_S)
         result.threads_idle = proc.num_threads()
         result.rss_idle_mb = proc.memory_info().rss / 2**20
         cpu0 = sum(proc.cpu_times()[:2])
