@@ -652,9 +652,12 @@ class SiteDaemon:
         def items() -> Iterator[object]:
             yield pb.UpdateChunk(header=header)
             # The chunks wait here for the server's go-ahead (wire.UPLOAD_GO_AHEAD); a
-            # refused upload ends the call, which ends this wait too.
-            calls.get().initial_metadata()
-            yield from chunks
+            # refused upload ends the call, which ends this wait too (and the update is
+            # then not encoded for nothing).
+            call = calls.get()
+            call.initial_metadata()
+            if not call.done():
+                yield from chunks
 
         call = upload.future(items())
         calls.put(call)
