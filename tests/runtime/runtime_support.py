@@ -239,6 +239,18 @@ def scrape(port: int) -> dict[str, float]:
 
 
 # -- a hand-driven site over the generated stub -------------------------------------------------
+def join_message(name: str, fingerprint: str, capabilities: tuple[str, ...] = ()) -> pb.SiteMessage:
+    """A site's first message on its control stream (insecure: the name is its identity)."""
+    return pb.SiteMessage(
+        join=pb.Join(
+            site_name=name,
+            task_fingerprint=fingerprint,
+            protocol_version=wire.PROTOCOL_VERSION,
+            capabilities=capabilities,
+        )
+    )
+
+
 class FakeSite:
     """A site driven by the test through the generated stub: join, read, upload by hand."""
 
@@ -252,16 +264,7 @@ class FakeSite:
         self.stub = pb_grpc.FedtrainStub(self.channel)
         self.outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue[pb.ServerMessage | None] = queue.SimpleQueue()
-        self.outbox.put(
-            pb.SiteMessage(
-                join=pb.Join(
-                    site_name=name,
-                    task_fingerprint=fingerprint,
-                    protocol_version=wire.PROTOCOL_VERSION,
-                    capabilities=capabilities,
-                )
-            )
-        )
+        self.outbox.put(join_message(name, fingerprint, capabilities))
         self.call = self.stub.Control(self._requests())
         threading.Thread(target=self._read, daemon=True).start()
         welcome = self.expect("welcome")

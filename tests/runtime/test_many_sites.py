@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from runtime_support import FakeSite, TinyTask, inprocess_server, wait_for
+from runtime_support import FakeSite, TinyTask, inprocess_server, join_message, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
@@ -191,14 +191,6 @@ def test_backoff_honours_a_retry_hint_with_jitter() -> None:
     assert backoff.next() <= 0.5  # no hint: the usual backoff
 
 
-def _join(name: str, fingerprint: str) -> pb.SiteMessage:
-    return pb.SiteMessage(
-        join=pb.Join(
-            site_name=name, task_fingerprint=fingerprint, protocol_version=wire.PROTOCOL_VERSION
-        )
-    )
-
-
 @pytest.mark.timeout(60)
 def test_one_connection_holds_at_most_sixteen_calls_and_the_next_waits_its_turn(
     tmp_path: Path,
@@ -222,13 +214,13 @@ def test_one_connection_holds_at_most_sixteen_calls_and_the_next_waits_its_turn(
     try:
         stub = pb_grpc.FedtrainStub(hog)
         held = [stub.Control(nothing()) for _ in range(wire.STREAMS_PER_CONNECTION)]
-        late = stub.Control(iter([_join("late", fingerprint)]), timeout=2.0)
+        late = stub.Control(iter([join_message("late", fingerprint)]), timeout=2.0)
         with pytest.raises(grpc.RpcError) as waited:
             next(late)
         assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        queued = stub.Control(iter([_join("queued", fingerprint)]))
+        queued = stub.Control(iter([join_message("queued", fingerprint)]))
         # Another connection joins at once.
-        other = pb_grpc.FedtrainStub(fresh).Control(iter([_join("other", fingerprint)]))
+        other = pb_grpc.FedtrainStub(fresh).Control(iter([join_message("other", fingerprint)]))
         assert next(other).WhichOneof("kind") == "welcome"
         other.cancel()
         # The held calls end: the queued call reaches the server and is answered.
@@ -268,7 +260,7 @@ def test_calls_that_queue_long_for_a_busy_server_are_all_served_not_cancelled(
 
         async def join(channel: grpc.aio.Channel, name: str) -> str:
             call = pb_grpc.FedtrainStub(channel).Control(timeout=120)
-            await call.write(_join(name, fingerprint))
+            await call.write(join_message(name, fingerprint))
             try:
                 first = await call.read()
                 return first.WhichOneof("kind")

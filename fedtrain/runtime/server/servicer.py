@@ -142,10 +142,10 @@ class FedtrainServicer:
             refusal = Refusal("no_join", "the first message on the control stream must be a Join")
         admitted = refusal or await self._run(self._admit, first.join, nonce)
         if isinstance(admitted, Refusal):
-            self._refuse_peer("join_refused", peer, admitted)
-            await context.write(_reject(admitted.reason, admitted.retry_after_s))
+            await self._refuse_join(context, peer, admitted)
             return
         site, certificate = admitted
+        identity = certificate.audit_fields() if certificate else {}
         if self.coordinator.finished.is_set():
             await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
@@ -161,18 +161,14 @@ class FedtrainServicer:
         session.open_outbox()
         try:
             replaced = await self._run(self.registry.add, session, self.max_sites)
-        except AtCapacity:  # filled up since `_join_rules` looked
-            refusal = self._at_capacity()
-            refusal.site = site
-            self._refuse_peer("join_refused", peer, refusal)
-            await context.write(_reject(refusal.reason, refusal.retry_after_s))
+        except AtCapacity:  # checked here, atomically, so racing joins cannot overfill
+            await self._refuse_join(context, peer, self._at_capacity(site, identity))
             return
         if replaced is not None:
             await self._run(
                 self.registry.remove, replaced, "replaced by a new connection from the same site"
             )
         log.info("site %r joined from %s", site, peer)
-        identity = certificate.audit_fields() if certificate else {}
         self.audit.record(
             "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
         )
@@ -281,18 +277,25 @@ class FedtrainServicer:
                 f"({wire.SECAGG_CAPABILITY}; secagg.enabled in server.toml): it runs another "
                 "fedtrain version; install the same fedtrain version as the server at the site",
             )
-        if len(self.registry) >= self.max_sites and self.registry.get(site) is None:
-            return self._at_capacity()
         return None
 
-    def _at_capacity(self) -> Refusal:
+    def _at_capacity(self, site: str, details: dict[str, Any]) -> Refusal:
         return Refusal(
             "capacity",
             f"the server is at capacity ({self.max_sites} sites connected); retry later. "
             "The operator can raise max_sites in server.toml, or the server's file limit "
             "(LimitNOFILE in its service unit)",
             retry_after_s=CAPACITY_RETRY_S,
+            site=site,
+            details=details,
         )
+
+    async def _refuse_join(
+        self, context: grpc.aio.ServicerContext, peer: str, refusal: Refusal
+    ) -> None:
+        """Audit (throttled) and log a refused join, and tell the site why."""
+        self._refuse_peer("join_refused", peer, refusal)
+        await context.write(_reject(refusal.reason, refusal.retry_after_s))
 
     async def _opening(
         self, context: grpc.aio.ServicerContext, challenge: Callable[[pb.Challenge], Any]
