@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -89,12 +90,9 @@ class SiteStats:
     broken: int = 0
     uploads: list[tuple[int, int]] = field(default_factory=list)  # (round, site index)
     upload_errors: list[str] = field(default_factory=list)
-    #: Sites in each step of a training job now (instructed, downloading, uploading):
-    #: where a stalled round's missing uploads are.
-    steps: dict[str, int] = field(default_factory=dict)
-
-    def step(self, name: str, delta: int) -> None:
-        self.steps[name] = self.steps.get(name, 0) + delta
+    #: Sites in each step of a training job now (downloading, uploading): where a
+    #: stalled round's missing uploads are.
+    steps: Counter[str] = field(default_factory=Counter)
 
 
 class SwarmSite:
@@ -186,7 +184,7 @@ class SwarmSite:
     ) -> None:
         token = welcome.session_token
         step = "downloading"
-        self.stats.step(step, 1)
+        self.stats.steps[step] += 1
         try:
             specs = []
             async for piece in stub.DownloadModel(
@@ -194,9 +192,9 @@ class SwarmSite:
             ):
                 if piece.WhichOneof("kind") == "manifest":
                     specs = [wire.spec_from_proto(s) for s in piece.manifest.specs]
-            self.stats.step(step, -1)
+            self.stats.steps[step] -= 1
             step = "uploading"
-            self.stats.step(step, 1)
+            self.stats.steps[step] += 1
             header = pb.UpdateChunk(
                 header=pb.UploadHeader(
                     round=instruction.round,
@@ -220,7 +218,7 @@ class SwarmSite:
                 f"{exc.details()} {exc.debug_error_string()}"
             )
         finally:
-            self.stats.step(step, -1)
+            self.stats.steps[step] -= 1
 
     def _chunks(self, specs: Sequence[Any], chunk_bytes: int) -> list[pb.UpdateChunk]:
         key = self.index % 13
@@ -476,15 +474,14 @@ def _joined(pipes: Iterable[Connection]) -> int:
 
 def _steps(pipes: Iterable[Connection]) -> str:
     """Sites per step of a training job, summed over the swarm processes."""
-    steps: dict[str, int] = {}
+    steps: Counter[str] = Counter()
     uploads, errors = 0, []
     for pipe in pipes:
         pipe.send(("steps",))
         _, counts, done, failed = pipe.recv()
+        steps.update(counts)
         uploads += done
         errors += failed
-        for name, count in counts.items():
-            steps[name] = steps.get(name, 0) + count
     counts = ", ".join(f"{n} {c}" for n, c in sorted(steps.items()))
     return f"{counts}, uploads done {uploads}" + (f", errors e.g. {errors[:3]}" if errors else "")
 
