@@ -90,15 +90,23 @@ class Download:
 def encode(codec: Codec, state: ModelState) -> ModelState:
     """`state` encoded tensor by tensor; a tensor whose encoding decodes to non-finite
     values (fp16 overflow) travels as itself."""
-    out: dict[str, torch.Tensor] = {}
+    return _encode_decoded(codec, state)[0]
+
+
+def _encode_decoded(codec: Codec, state: ModelState) -> tuple[ModelState, dict[str, torch.Tensor]]:
+    """(`encode(codec, state)`, what a receiver decodes from it, tensor by tensor: the
+    same `decode_tensor` calls a receiver's `decode` makes, so the same bits)."""
+    parts: dict[str, torch.Tensor] = {}
+    decoded: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        parts = codec.encode(ModelState({name: tensor}))
-        if tensor.is_floating_point() and name not in parts:
-            decoded = codec.decode(parts, ModelState({name: tensor}).specs)[name]
-            if not bool(torch.isfinite(decoded).all()):
-                parts = ModelState({name: tensor})
-        out.update(parts)
-    return ModelState(out)
+        one = ModelState({name: tensor})
+        encoded = codec.encode(one)
+        value = codec.decode(encoded, one.specs)[name] if name not in encoded else tensor
+        if tensor.is_floating_point() and not bool(torch.isfinite(value).all()):
+            encoded, value = one, tensor
+        parts.update(encoded)
+        decoded[name] = value
+    return ModelState(parts), decoded
 
 
 def decode(codec: Codec, parts: ModelState, specs: tuple[TensorSpec, ...]) -> ModelState:
@@ -118,22 +126,17 @@ def decode(codec: Codec, parts: ModelState, specs: tuple[TensorSpec, ...]) -> Mo
     return codec.decode(parts, specs)
 
 
-def apply_change(codec: Codec, parts: ModelState, base: ModelState, *, inplace: bool) -> ModelState:
-    """`base` plus the change `parts` encode: floating tensors add, others are replaced.
-
-    `inplace` adds into `base`'s memory (the site: nothing else reads it); the server
-    makes new tensors, since sites may still be downloading the old reference."""
+def apply_change(codec: Codec, parts: ModelState, base: ModelState) -> ModelState:
+    """`base` plus the change `parts` encode, added into `base`'s memory (a site's copy
+    of the reference, which nothing else reads): floating tensors add, others are
+    replaced. The server's `ReferenceTrack` computes the same sums."""
     change = decode(codec, parts, base.specs)
-    out: dict[str, torch.Tensor] = {}
-    for name, old in base.items():
-        new = change[name]
-        if not old.is_floating_point():
-            out[name] = new
-        elif inplace:
-            out[name] = old.add_(new)
-        else:
-            out[name] = old + new
-    return ModelState(out)
+    return ModelState(
+        {
+            n: old.add_(change[n]) if old.is_floating_point() else change[n]
+            for n, old in base.items()
+        }
+    )
 
 
 def cast(codec: Codec, version: str, state: ModelState) -> Download:
@@ -168,8 +171,13 @@ class ReferenceTrack:
                     for n, t in state.items()
                 }
             )
-            parts = encode(self.codec, diff)
-            self.reference = apply_change(self.codec, parts, self.reference, inplace=False)
+            parts, change = _encode_decoded(self.codec, diff)
+            self.reference = ModelState(
+                {
+                    n: (old + change[n]) if old.is_floating_point() else change[n]
+                    for n, old in self.reference.items()
+                }
+            )
             self.change = Download(
                 version,
                 parts,

@@ -84,7 +84,7 @@ def test_sites_following_delta_downloads_hold_the_servers_reference_bit_for_bit(
     assert server.wait(90), "the rounds did not finish"
     assert server.coordinator.error is None
 
-    track = server.servicer._downloads.track
+    track = server.servicer.downloads.track
     assert track is not None and track.reference is not None
     for daemon, _ in daemons:
         version, state = daemon._cache

@@ -114,7 +114,7 @@ def test_a_site_whose_rebuilt_model_differs_downloads_it_whole(
     owned.append((daemon, thread))
     assert server.wait(90), "the rounds did not finish"
     assert damaged and daemon.downloads == 3
-    track = server.servicer._downloads.track
+    track = server.servicer.downloads.track
     assert daemon._cache[1].equal(track.reference)
     metrics = server.run_dir.read_metrics()
     # round 2: the change, then the whole reference again; round 3: a change

@@ -7,14 +7,14 @@ request names a model version and, at most, the reference version it holds (whic
 only decides between the change and the whole reference, both of which the server
 offers). Thousands of sites downloading the same version would otherwise encode it
 thousands of times: each encoding of a version, and its wire bytes for models up to
-`SHARED_DOWNLOAD_BYTES`, is made once and the same objects go to every site's stream.
+`SHARED_DOWNLOAD_BYTES`, is made once and the same objects go to every site's stream;
+they are let go when the next global model is first downloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -34,11 +34,6 @@ from fedtrain.tensors import Chunk, ModelState
 #: bytes are sent to every site; larger ones are encoded chunk by chunk per download
 #: (a second copy of a large model would cost more memory than the encoding saves).
 SHARED_DOWNLOAD_BYTES = 256 << 20
-#: Encodings kept at once (a version's plain, cast, whole-reference and change forms
-#: with their wire bytes, and under FedBuff an older version still being fetched); the
-#: least recently used goes first.
-KEPT_ENCODINGS = 8
-
 _T = TypeVar("_T")
 Pieces = Iterable[tuple[bytes | Chunk, int]]
 Run = Callable[..., Awaitable[Any]]
@@ -56,7 +51,10 @@ class SharedDownloads:
         self.required = required_capabilities(settings.codec, settings.delta)
         self.track = ReferenceTrack(self.codec) if settings.delta else None
         self._track_lock = threading.Lock()  # advanced on the CPU pool
-        self._made: OrderedDict[tuple[str, ...], asyncio.Future[Any]] = OrderedDict()
+        #: The current version's encodings (plain, cast, or the track's change and
+        #: whole reference) and their wire bytes, each made once.
+        self._version = ""
+        self._made: dict[tuple[str, ...], asyncio.Future[Any]] = {}
 
     def serves(self, capabilities: Collection[str]) -> bool:
         """Whether a site with these join capabilities is served the encoded downloads."""
@@ -68,23 +66,27 @@ class SharedDownloads:
         """The manifest and (what to yield, tensor bytes) of every chunk a site gets.
 
         `encoded`: the site is served the offered codec (`serves`); `current`: `model` is
-        the server's current global model, the only one the reference track follows (an
-        older FedBuff version travels as itself); `held`: the reference version the site
-        says it holds; `run`: runs a function on the CPU pool."""
-        download = await self._download(model, encoded=encoded, current=current, held=held, run=run)
-        key = ("pieces", model.version, download.codec, download.base, str(download.reference))
+        the server's current global model, the only one encoded and shared (an older
+        FedBuff version travels as itself, chunked per download); `held`: the reference
+        version the site says it holds; `run`: runs a function on the CPU pool."""
+        if not current:
+            plain = Download(model.version, model.state)
+            return self._manifest(model, plain), _Chunked(model.state, self.chunk_bytes)
+        if model.version != self._version:  # a new global model: the last one's encodings go
+            self._version = model.version
+            self._made.clear()
+        download = await self._download(model, encoded, held, run)
+        key = (model.version, "pieces", download.codec, download.base, str(download.reference))
         pieces = await self._once(key, run, self._pieces, download.parts)
         return self._manifest(model, download), pieces
 
-    async def _download(
-        self, model: GlobalModel, *, encoded: bool, current: bool, held: str, run: Run
-    ) -> Download:
-        if not encoded or (self.track is not None and not current):
+    async def _download(self, model: GlobalModel, encoded: bool, held: str, run: Run) -> Download:
+        if not encoded:
             return Download(model.version, model.state)
         if self.track is None:
-            key = ("cast", model.version)
+            key = (model.version, "cast")
             return await self._once(key, run, cast, self.codec, model.version, model.state)
-        change, whole = await self._once(("track", model.version), run, self._advance, model)
+        change, whole = await self._once((model.version, "track"), run, self._advance, model)
         return change if change is not None and held and held == change.base else whole
 
     async def _once(self, key: tuple[str, ...], run: Run, fn: Callable[..., _T], *args: Any) -> _T:
@@ -94,9 +96,6 @@ class SharedDownloads:
             future = asyncio.ensure_future(run(fn, *args))
             future.add_done_callback(lambda f: self._forget_failed(key, f))
             self._made[key] = future
-            while len(self._made) > KEPT_ENCODINGS:
-                self._made.popitem(last=False)
-        self._made.move_to_end(key)
         return await asyncio.shield(future)  # type: ignore[no-any-return]
 
     def _forget_failed(self, key: tuple[str, ...], future: asyncio.Future[Any]) -> None:

@@ -111,7 +111,8 @@ class FedtrainServicer:
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         self.weights = WeightPolicy(config.weights)
         self._transfer_slots: asyncio.Semaphore | None = None
-        self._downloads = SharedDownloads(config.chunk_bytes, config.download)
+        #: What model downloads send: the encoding each site gets, made once per version.
+        self.downloads = SharedDownloads(config.chunk_bytes, config.download)
 
     @property
     def transfer_slots(self) -> asyncio.Semaphore:
@@ -178,7 +179,7 @@ class FedtrainServicer:
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
-        if self._downloads.serves(session.capabilities):  # and decode their downloads with it
+        if self.downloads.serves(session.capabilities):  # and decode their downloads with it
             wire.config_to_proto(dataclasses.asdict(self.config.download), welcome.download)
         reader = asyncio.create_task(self._read(session, context))
         try:
@@ -481,9 +482,9 @@ class FedtrainServicer:
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
         async with self.transfer_slots:
-            manifest, pieces = await self._downloads.prepare(
+            manifest, pieces = await self.downloads.prepare(
                 model,
-                encoded=self._downloads.serves(session.capabilities),
+                encoded=self.downloads.serves(session.capabilities),
                 current=model is self.coordinator.global_model,
                 held=request.held_version,
                 run=self._run,

@@ -68,7 +68,7 @@ def receive_model(
     try:
         if base:
             assert previous is not None
-            state = downlink.apply_change(codec, received, previous, inplace=True)
+            state = downlink.apply_change(codec, received, previous)
         else:
             state = downlink.decode(codec, received, specs)
     except UpdateRejected as exc:
