@@ -3,6 +3,7 @@ sites train from what they decode, and the server's byte counters show the savin
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from fedtrain.errors import ConfigError
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig, SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.site import daemon as daemon_module
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, assemble
 
@@ -168,3 +170,45 @@ def test_download_keys_are_checked_where_they_are_read() -> None:
         from_dict(ServerConfig, {"task": "t:T", "download": "topk"})
     with pytest.raises(ConfigError, match=r"\['zip'\] unknown"):
         from_dict(SiteConfig, {"task": "t:T", "download_codecs": ["fp16", "zip"]})
+
+
+def test_fedbuff_trains_with_delta_downloads(
+    tmp_path: Path,
+    owned: list[Any],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Versions move while sites train: a site that missed one gets the whole
+    reference, one that holds the last gets the change; the run learns either way.
+    Alone, a site holds every version's predecessor: a change each time after the first."""
+    received: dict[int, list[bool]] = {}  # site's trainer thread -> was each one a change?
+    receive = daemon_module.receive_model
+
+    def spy(manifest, chunks, codec, previous, held):  # type: ignore[no-untyped-def]
+        result = receive(manifest, chunks, codec, previous, held)
+        received.setdefault(threading.get_ident(), []).append(bool(manifest.base_version))
+        return result
+
+    monkeypatch.setattr(daemon_module, "receive_model", spy)
+    task = TinyTask(features=100)
+    fedbuff = {"name": "fedbuff", "min_fit_clients": 1, "options": {"buffer_size": 1}}
+    for sites in (1, 2):
+        received.clear()
+        server = _server(
+            tmp_path / str(sites),
+            task,
+            sites=sites,
+            rounds=6,
+            secagg=PLAIN,
+            strategy=fedbuff,
+            download=INT8_DELTA,
+        )
+        owned.append(server)
+        owned.extend(_daemon(server, task, name, i) for i, name in enumerate("ab"[:sites]))
+        assert server.wait(90), "the versions were not made"
+        assert server.coordinator.error is None
+        metrics = server.run_dir.read_metrics()
+        assert len(metrics) == 6 and metrics[-1]["accuracy"] > 0.65  # a third of the data
+        assert len(received) == sites and all(not kinds[0] for kinds in received.values())
+        if sites == 1:
+            (kinds,) = received.values()
+            assert len(kinds) >= 6 and all(kinds[1:])
