@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 from runtime_support import TinyTask
@@ -17,6 +18,7 @@ from fedtrain.compression.downlink import ReferenceTrack, cast
 from fedtrain.errors import ProtocolError
 from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.site import daemon as daemon_module
 from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
 from fedtrain.tensors import ModelState
@@ -119,3 +121,44 @@ def test_a_site_whose_rebuilt_model_differs_downloads_it_whole(
     metrics = server.run_dir.read_metrics()
     # round 2: the change, then the whole reference again; round 3: a change
     assert [m["bytes_out"] for m in metrics][1] == 202 + 16 + 808
+
+
+class _Broken(grpc.RpcError):
+    """What a download stream cut mid-way raises at the site."""
+
+
+def test_a_change_download_that_breaks_off_leaves_the_reference_to_start_from(
+    tmp_path: Path,
+    owned: list[Any],  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first change is cut after one chunk: the round fails at the site and is
+    retried, and the site asks for the change again from the reference it kept."""
+    chunks = daemon_module._download_chunks
+    kinds: list[str] = []
+
+    def cut_once(pieces):  # type: ignore[no-untyped-def]
+        for i, chunk in enumerate(chunks(pieces)):
+            if i == 1 and "cut" not in kinds and kinds.count("whole") == 1:
+                kinds.append("cut")
+                raise _Broken("stream cut")
+            yield chunk
+
+    receive = daemon_module.receive_model
+
+    def spy(manifest, pieces, codec, previous, held):  # type: ignore[no-untyped-def]
+        result = receive(manifest, pieces, codec, previous, held)
+        kinds.append("change" if manifest.base_version else "whole")
+        return result
+
+    monkeypatch.setattr(daemon_module, "_download_chunks", cut_once)
+    monkeypatch.setattr(daemon_module, "receive_model", spy)
+    task = TinyTask(features=100)
+    delta = {"codec": "int8", "delta": True}
+    server = _server(tmp_path, task, sites=1, rounds=2, secagg={"enabled": False}, download=delta)
+    owned.append(server)
+    daemon, thread = _daemon(server, task, "a", 0)
+    owned.append((daemon, thread))
+    assert server.wait(90), "the rounds did not finish"
+    assert kinds == ["whole", "cut", "change"]
+    assert daemon._cache[1].equal(server.servicer.downloads.track.reference)

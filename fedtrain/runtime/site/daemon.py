@@ -642,14 +642,17 @@ class SiteDaemon:
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
             return cached[1]
-        # The old version's memory receives the new one (nothing else holds it now).
         previous = cached[1] if cached is not None else None
         held = cached[0] if cached is not None and cached[0] == self._reference else ""
-        self._cache = cached = None
-        self._reference = ""
+        if not held:  # the old version's memory receives the new one
+            self._cache = cached = None
+            self._reference = ""
+        # else it stays untouched, and cached, until a change is added into it: a download
+        # that breaks off before leaves the reference for the next one to start from.
         try:
             state, reference = self._download(link, version, previous, held)
         except DigestMismatch as exc:
+            self._cache, self._reference = None, ""
             log.warning("%s; downloading it whole", exc)
             state, reference = self._download(link, version, None, "")
         self._cache = (version, state)

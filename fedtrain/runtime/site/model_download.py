@@ -35,8 +35,9 @@ def receive_model(
     """(the model, whether it is the server's reference of its version) from a download.
 
     `codec`: the download codec told at join (None: none); `previous`: the model this
-    site holds, whose memory may be reused (a change is added into it); `held`: the
-    reference version the request named ("" if none)."""
+    site holds; `held`: the reference version the request named ("" if none). With
+    `held`, `previous` is left untouched until a whole change has arrived and decodes
+    (then the change is added into it); without, its memory receives the model."""
     where = f"model {manifest.model_version[:12]}"
     specs = tuple(wire.spec_from_proto(s) for s in manifest.specs)
     name = manifest.codec or "none"
@@ -56,7 +57,7 @@ def receive_model(
     if name == "none":
         if manifest.parts:
             raise ProtocolError(f"{where}: parts listed for a model sent as itself")
-        assembler = StateAssembler(specs, reuse=previous)
+        assembler = StateAssembler(specs, reuse=None if held else previous)
     else:
         assembler = StateAssembler([wire.spec_from_proto(s) for s in manifest.parts])
     for chunk in chunks:
