@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fedtrain.compression.settings import CompressionSettings
+from fedtrain.compression.downlink import DOWNLOAD_CODECS
+from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
@@ -242,6 +243,12 @@ class ServerConfig:
         'Update codec the sites encode with (`compression = "int8"` or a table); told to '
         "each site when it joins, decoded here before folding. Not with secure aggregation.",
     )
+    download: DownloadSettings = section(
+        DownloadSettings,
+        'How the global model travels to the sites (`download = "fp16"` or a table): offered '
+        "to each site that announces it can decode it when it joins (others get the model "
+        "in its own dtypes). Works with secure aggregation.",
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "rounds", "eval_every", "chunk_bytes", "max_transfers", "cpu_threads")
@@ -437,6 +444,12 @@ class SiteConfig:
     max_message_bytes: int = option(
         64 * 1024 * 1024, "gRPC message size limit; must exceed the server's chunk_bytes."
     )
+    download_codecs: list[str] = option(
+        list(DOWNLOAD_CODECS),
+        "Download encodings this site accepts when the server offers one ([download] in "
+        "server.toml): fp16, bf16, int8, topk, and delta (changes from the version it "
+        "holds). [] : always the model in its own dtypes (exact, more bytes).",
+    )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
     tls: SiteTlsConfig = section(
@@ -444,6 +457,12 @@ class SiteConfig:
     )
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.download_codecs) - set(DOWNLOAD_CODECS))
+        if unknown:
+            raise ConfigError(
+                f"download_codecs = {self.download_codecs}: {unknown} unknown; choose from "
+                f"{list(DOWNLOAD_CODECS)} ([] for the model in its own dtypes only)"
+            )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         if self.devices and self.nproc > 1:

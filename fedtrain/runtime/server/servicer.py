@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -47,8 +47,8 @@ from fedtrain.runtime.server.admission import AdmissionGate, Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
-from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
@@ -73,10 +73,6 @@ HEARTBEATS_PER_S = 200.0
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
 CAPACITY_RETRY_S = 30.0
-#: Models up to this size are encoded for the wire once per version and the same
-#: bytes are sent to every site; larger ones are encoded chunk by chunk per download
-#: (a second copy of a large model would cost more memory than the encoding saves).
-SHARED_DOWNLOAD_BYTES = 256 << 20
 
 
 def heartbeat_interval(configured_s: float, connected: int) -> float:
@@ -115,7 +111,8 @@ class FedtrainServicer:
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         self.weights = WeightPolicy(config.weights)
         self._transfer_slots: asyncio.Semaphore | None = None
-        self._downloads = SharedDownloads(config.chunk_bytes)
+        #: What model downloads send: the encoding each site gets, made once per version.
+        self.downloads = SharedDownloads(config.chunk_bytes, config.download)
 
     @property
     def transfer_slots(self) -> asyncio.Semaphore:
@@ -182,6 +179,8 @@ class FedtrainServicer:
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
+        if self.downloads.serves(session.capabilities):  # and decode their downloads with it
+            wire.config_to_proto(dataclasses.asdict(self.config.download), welcome.download)
         reader = asyncio.create_task(self._read(session, context))
         try:
             await context.write(pb.ServerMessage(welcome=welcome))
@@ -483,8 +482,15 @@ class FedtrainServicer:
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
         async with self.transfer_slots:
-            yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
-            for piece, size in await self._downloads.pieces(model, self._run):
+            manifest, pieces = await self.downloads.prepare(
+                model,
+                encoded=self.downloads.serves(session.capabilities),
+                current=model is self.coordinator.global_model,
+                held=request.held_version,
+                run=self._run,
+            )
+            yield pb.ModelPiece(manifest=manifest)
+            for piece, size in pieces:
                 self.coordinator.transfers.add(sent=size)
                 session.touch()
                 yield piece  # bytes or a Chunk: wire.serialize_stream_item
@@ -769,37 +775,6 @@ class FedtrainServicer:
         # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
         state = server_state(self.coordinator, self.registry, page)
         await context.write(pb.StatusMessage(reply=status.to_proto(state)))
-
-
-class SharedDownloads:
-    """The current model's wire encoding, made once per version for small models.
-
-    Thousands of sites downloading the same 400 KB model each round would otherwise
-    encode (copy) it thousands of times; with it, each chunk's bytes are built once and
-    the same object is handed to every site's stream.
-    """
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._version = ""
-        self._encoded: asyncio.Future[list[tuple[bytes, int]]] | None = None
-
-    async def pieces(
-        self, model: GlobalModel, run: Callable[..., Any]
-    ) -> Iterable[tuple[bytes | Chunk, int]]:
-        """(what to yield, tensor bytes) for every chunk of `model`."""
-        if model.state.nbytes > SHARED_DOWNLOAD_BYTES:
-            return ((c, len(c.data)) for c in model.state.chunks(self.chunk_bytes))
-        if self._version != model.version or self._encoded is None:
-            self._version = model.version
-            self._encoded = asyncio.ensure_future(run(self._encode, model))
-        return await asyncio.shield(self._encoded)
-
-    def _encode(self, model: GlobalModel) -> list[tuple[bytes, int]]:
-        return [
-            (wire.encode_chunk_message(c), len(c.data))
-            for c in model.state.chunks(self.chunk_bytes)
-        ]
 
 
 async def _first(context: grpc.aio.ServicerContext) -> Any:
