@@ -140,6 +140,12 @@ def _unreachable(address: str, exc: grpc.RpcError, *, tls: bool) -> str:
         return f"the server at {address} refused to answer: {exc.details()}"
     details = what.lower()
     host = address.rsplit(":", 1)[0]
+    if address.startswith("unix:"):
+        return (
+            f"no answer on the local status socket {address[5:]} ({what}): check that "
+            "`fedtrain server` runs on this host with this run_dir, and that its config "
+            "keeps status_socket = true"
+        )
     if "connection refused" in details:
         hint = (
             f"nothing listens on {address}: check that `fedtrain server` is running there and "

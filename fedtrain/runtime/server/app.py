@@ -41,6 +41,7 @@ from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
@@ -184,6 +185,7 @@ class AggregationServer:
             max_sites=self.max_sites,
         )
         self._grpc: grpc.aio.Server | None = None
+        self._local_status: LocalStatus | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -217,6 +219,15 @@ class AggregationServer:
             self.stop()
             raise
         self.port = port
+        if self.config.status_socket:
+            local = LocalStatus(
+                self.run_dir.path, lambda page: server_state(self.coordinator, self.registry, page)
+            )
+            try:
+                self._local_status = local if local.start() else None
+            except OSError as exc:
+                self.stop()
+                raise ConfigError(f"status_socket: {exc} (or set status_socket = false)") from None
         coordinator = threading.Thread(
             target=self.coordinator.run, name="fedtrain-coordinator", daemon=True
         )
@@ -310,6 +321,8 @@ class AggregationServer:
             except Exception as exc:  # pragma: no cover - a handler stuck past the grace
                 log.warning("the gRPC server did not stop cleanly: %s", exc)
             loop.call_soon_threadsafe(loop.stop)
+        if self._local_status is not None:
+            self._local_status.stop()
         for thread in self._threads:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint
