@@ -22,6 +22,7 @@ however many sites there are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,6 +50,7 @@ from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
+from fedtrain.runtime.server.links import TransferMeter
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
@@ -482,12 +484,43 @@ class FedtrainServicer:
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
-        async with self.transfer_slots:
+        round_state = self.coordinator.current
+        if not (
+            isinstance(round_state, RoundState)
+            and session.site in round_state.plan
+            and round_state.model_version == model.version
+        ):
+            round_state = None  # not a download for a training round's deadline
+        async with self._transfer(session, "down") as meter:
             yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
             for piece, size in await self._downloads.pieces(model, self._run):
+                if round_state is not None and round_state.closed:
+                    # The round it was for is over (its deadline passed): every further
+                    # byte would be spent on a model the site can no longer train for.
+                    await _abort(
+                        context,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"site {session.site!r}: round {round_state.round} closed while the "
+                        "model was downloading; download stopped (the site gets the next "
+                        "instruction)",
+                    )
                 self.coordinator.transfers.add(sent=size)
+                meter.add(size)
                 session.touch()
                 yield piece  # bytes or a Chunk: wire.serialize_stream_item
+            meter.whole = True
+
+    @contextlib.asynccontextmanager
+    async def _transfer(self, session: Session, direction: str) -> AsyncIterator[TransferMeter]:
+        """A transfer slot, and the link's rate measured while the transfer holds it."""
+        async with self.transfer_slots:
+            received = session.bytes_received
+            counted = (lambda: session.bytes_received - received) if direction == "up" else None
+            meter = self.coordinator.links.meter(session.site, direction, counted)
+            try:
+                yield meter
+            finally:
+                meter.close()
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
@@ -526,7 +559,7 @@ class FedtrainServicer:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
         weight = None if header.masked else await self._weigh(state, session, header, context)
-        async with self.transfer_slots:
+        async with self._transfer(session, "up") as meter:
             await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
             try:
                 if weight is None:
@@ -561,6 +594,7 @@ class FedtrainServicer:
                     grpc.StatusCode.INTERNAL,
                     f"{where}: the server failed to store the update ({exc}); it may be retried",
                 )
+            meter.whole = True
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -731,6 +765,7 @@ class FedtrainServicer:
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
             self.coordinator.transfers.add(received=len(chunk.data))
+            session.bytes_received += len(chunk.data)
             session.touch()
             yield chunk
 
