@@ -147,6 +147,11 @@ class LinkEstimates:
                 link.compute_s = time.monotonic() - link.download_ended
                 link.download_ended = None
 
+    def rates(self, site: str) -> tuple[float | None, float | None]:
+        """(download, upload) bytes per second of `site` as estimated now (None: unknown)."""
+        link = self.link(site) or Link()
+        return self._rate(site, "down", link.down_bps), self._rate(site, "up", link.up_bps)
+
     def link(self, site: str) -> Link | None:
         with self._lock:
             return self._links.get(site)
@@ -156,8 +161,7 @@ class LinkEstimates:
         an upload of a whole update weighs when the site has not completed one yet
         (None: unknown, e.g. a compressed update; then only what was measured counts)."""
         link = self.link(site) or Link()
-        down_bps = self._rate(site, "down", link.down_bps)
-        up_bps = self._rate(site, "up", link.up_bps)
+        down_bps, up_bps = self.rates(site)
         if down_bps is None and up_bps is None:
             return None
         seconds, rates = link.compute_s, []
