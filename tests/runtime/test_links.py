@@ -10,7 +10,7 @@ import pytest
 from runtime_support import Deployment
 from slow_link import SlowLink
 
-from fedtrain.runtime.server.links import MIN_MEASURED_S, LinkEstimates
+from fedtrain.runtime.server.links import FORGET_AFTER_S, MIN_MEASURED_S, LinkEstimates
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -34,6 +34,17 @@ def test_an_estimate_adds_download_compute_and_upload_at_the_measured_rates() ->
     links.record("a", "up", 1 * MB, 2.0, whole=True)
     estimate = links.estimate("a", 40 * MB, None)
     assert estimate is not None and estimate.seconds == pytest.approx(32.0 + 1 / 0.5, rel=0.01)
+
+
+def test_figures_are_forgotten_so_a_skipped_site_tries_again_one_day() -> None:
+    links = LinkEstimates()
+    links.record("a", "down", 10 * MB, 10.0, whole=True)
+    assert links.plan_round(["a", "b"], 5.0, 10 * MB, None, enough=1) != {}
+    link = links.link("a")
+    assert link is not None
+    link.measured_at -= FORGET_AFTER_S + 1  # no transfer since: it was always skipped
+    assert links.estimate("a", 10 * MB, None) is None
+    assert links.plan_round(["a", "b"], 5.0, 10 * MB, None, enough=1) == {}
 
 
 def test_moments_too_short_to_measure_a_link_set_no_rate() -> None:

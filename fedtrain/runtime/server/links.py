@@ -26,6 +26,10 @@ MIN_MEASURED_S = 0.05
 #: A transfer still under way counts once it has run this long (a site still moving
 #: the last round's bytes when the next round is planned is judged by them).
 LIVE_MEASURED_S = 1.0
+#: A site's figures are forgotten this long after its last transfer: a skipped site
+#: moves no bytes, so without this it could never show that its link got better
+#: (an outage ended, a line was upgraded); it then tries a round again.
+FORGET_AFTER_S = 1800.0
 #: Rounds in a row a site may be skipped before the operator is told what to change.
 SKIPS_BEFORE_WARNING = 3
 
@@ -39,6 +43,7 @@ class Link:
     down_bytes: int = 0  # the latest whole download (its codec's size)
     up_bytes: int = 0  # the latest whole upload (its codec's size)
     compute_s: float = 0.0  # from the end of its download to the start of its upload
+    measured_at: float = 0.0  # time.monotonic() of its latest transfer
     download_ended: float | None = None
     skipped_in_a_row: int = 0
 
@@ -127,6 +132,7 @@ class LinkEstimates:
     def record(self, site: str, direction: str, nbytes: int, seconds: float, whole: bool) -> None:
         with self._lock:
             link = self._links.setdefault(site, Link())
+            link.measured_at = time.monotonic()
             if nbytes > 0 and seconds >= MIN_MEASURED_S:
                 rate = nbytes / seconds
                 if direction == "down":
@@ -153,8 +159,12 @@ class LinkEstimates:
         return self._rate(site, "down", link.down_bps), self._rate(site, "up", link.up_bps)
 
     def link(self, site: str) -> Link | None:
+        """`site`'s figures; None if never measured or forgotten (`FORGET_AFTER_S`)."""
         with self._lock:
-            return self._links.get(site)
+            link = self._links.get(site)
+            if link is not None and time.monotonic() - link.measured_at > FORGET_AFTER_S:
+                link.down_bps = link.up_bps = None
+            return link
 
     def estimate(self, site: str, model_bytes: int, update_bytes: int | None) -> Estimate | None:
         """Seconds `site` needs for a round (None: not measured yet). `update_bytes`: what
