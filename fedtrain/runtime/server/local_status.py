@@ -88,15 +88,12 @@ class LocalStatus:
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(wire.SERVICE, {"Status": handler}),)
         )
-        # Owner-only from the moment the socket exists: no window in which another
-        # user of the host could connect before a chmod.
-        old_umask = os.umask(0o177)
-        try:
-            bound = server.add_insecure_port(f"unix:{self.path}")
-        finally:
-            os.umask(old_umask)
-        if not bound:
+        if not server.add_insecure_port(f"unix:{self.path}"):
             raise OSError(f"cannot listen on the status socket {self.path}")
+        # Owner-only. Connecting needs write permission on the socket, which the usual
+        # umask (022) already withholds from others; a process-wide umask change
+        # instead would race with every other thread creating files.
+        os.chmod(self.path, 0o600)
         await server.start()
         self._server = server
 
