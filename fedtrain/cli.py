@@ -290,13 +290,15 @@ def _status_target(args: argparse.Namespace):
     from fedtrain.runtime.peer_auth import client_identity
 
     if args.run_dir is not None:  # the server's own host: its owner-only local socket
-        if args.server or args.config or args.insecure or args.ca or args.cert or args.key:
+        tls_flags = (args.server, args.config, args.insecure, args.ca, args.cert, args.key)
+        if any(tls_flags) or args.server_name:
             raise ConfigError(
                 "--run-dir asks the server's local status socket (no TLS); it excludes "
-                "--server, --config, --insecure and --ca/--cert/--key"
+                "--server, --config, --insecure, --server-name and --ca/--cert/--key"
             )
-        from fedtrain.runtime.server.local_status import socket_address
+        from fedtrain.runtime.server.local_status import socket_address, trusted_socket
 
+        trusted_socket(args.run_dir)
         return socket_address(args.run_dir), None, ""
     site = None
     if args.config:  # only its server and [tls]: no torch (the whole schema imports it)

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import resource
 import threading
+import time
 from concurrent import futures
 from types import TracebackType
 from typing import Any
@@ -50,6 +51,12 @@ from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
 
 log = logging.getLogger(__name__)
+
+#: The event loop notes that it runs this often; one that has not for `LOOP_STALL_S`
+#: is hung (a busy loop still runs every fraction of a second), and the local status
+#: socket says so, which fails a liveness probe.
+LOOP_TICK_S = 1.0
+LOOP_STALL_S = 60.0
 
 #: File descriptors kept free of site connections: logs, the audit log, checkpoints,
 #: gRPC's own, the metrics endpoint (each transfer in flight may add a journal file).
@@ -186,6 +193,7 @@ class AggregationServer:
         )
         self._grpc: grpc.aio.Server | None = None
         self._local_status: LocalStatus | None = None
+        self._loop_tick = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -221,13 +229,11 @@ class AggregationServer:
         self.port = port
         if self.config.status_socket:
             local = LocalStatus(
-                self.run_dir.path, lambda page: server_state(self.coordinator, self.registry, page)
+                self.run_dir.path,
+                lambda page: server_state(self.coordinator, self.registry, page),
+                self._loop_health,
             )
-            try:
-                self._local_status = local if local.start() else None
-            except OSError as exc:
-                self.stop()
-                raise ConfigError(f"status_socket: {exc} (or set status_socket = false)") from None
+            self._local_status = local if local.start() else None
         coordinator = threading.Thread(
             target=self.coordinator.run, name="fedtrain-coordinator", daemon=True
         )
@@ -271,7 +277,25 @@ class AggregationServer:
         await server.start()
         self._grpc = server
         self._watchdog = asyncio.create_task(self._watch_heartbeats())
+        self._ticker = asyncio.create_task(self._tick())
         return port
+
+    async def _tick(self) -> None:
+        """Note, once a second, that the loop runs (`_loop_health`)."""
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(LOOP_TICK_S)
+
+    def _loop_health(self) -> str | None:
+        """Why the server cannot serve its sites now (its event loop has not run for
+        `LOOP_STALL_S`), or None: what the local status socket's liveness probe checks."""
+        stalled = time.monotonic() - self._loop_tick
+        if stalled <= LOOP_STALL_S:
+            return None
+        return (
+            f"the server's event loop, which serves every site, has not run for {stalled:.0f}s "
+            "(hung): restart the server with --resume"
+        )
 
     async def _watch_heartbeats(self) -> None:
         """Disconnect sites that went silent past their timeout (a host whose process
@@ -336,9 +360,9 @@ class AggregationServer:
         self.audit.close()
 
     async def _shutdown(self, grace: float) -> None:
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.cancel()
+        for task in (getattr(self, "_watchdog", None), getattr(self, "_ticker", None)):
+            if task is not None:
+                task.cancel()
         if self._grpc is not None:
             await self._grpc.stop(grace)
 

@@ -350,9 +350,11 @@ class Coordinator:
             if not plan:
                 self.registry.wait_for_change()
                 continue
+            # The privacy accountant's rate is the strategy's choice: a site the links
+            # leave out was still chosen with this probability.
+            self._sampling_rate = len(plan) / len(available)
             for site in self._too_slow(server_round, plan):
                 del plan[site]
-            self._sampling_rate = len(plan) / len(available)
             attempt += 1
             started = time.perf_counter()
             state = self._start_attempt(server_round, attempt, plan)
@@ -437,9 +439,13 @@ class Coordinator:
         nbytes = self.global_model.state.nbytes
         update_bytes = nbytes if self._plain_uploads else None
         deadline = self.config.round_timeout_s
-        skipped = self.links.plan_round(
-            sorted(plan), deadline, nbytes, update_bytes, self._needed(len(plan))
-        )
+        try:
+            skipped = self.links.plan_round(
+                sorted(plan), deadline, nbytes, update_bytes, self._needed(len(plan))
+            )
+        except Exception:  # an estimate only ever leaves sites out: never stop a run
+            log.exception("round %d: link estimates failed; no site left out", server_round)
+            return []
         for site, estimate in skipped.items():
             reason = estimate.describe(deadline)
             log.warning("round %d: site %r skipped: %s", server_round, site, reason)

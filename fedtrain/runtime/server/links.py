@@ -6,9 +6,13 @@ A site on a 10 Mbit/s link chosen for a round with a 45 s deadline would downloa
 byte wasted, every round, and nothing would say why. Each download and upload is timed
 here from the moment it gets its transfer slot (time spent queueing for a slot is the
 server's, not the link's); a transfer cut off part way still measures the rate it
-reached. Before a round starts, a site whose estimated round (download + its own
-compute + upload, from its latest figures) exceeds the round's deadline is left out,
-audited with the estimate, as long as the round can still complete without it.
+reached; one that moved nothing says nothing. A site's compute time is what passes
+between the end of a training round's download and its upload's request (evaluation
+downloads, slot queues and secure rounds' key agreement, which waits on the other
+sites, are not the site's). Before a round starts, a site whose estimated round
+(download + compute + upload, from its latest figures) exceeds the round's deadline is
+left out, audited with the estimate, as long as the round can still complete without
+it. Estimates only ever leave sites out; a failure to make one leaves nobody out.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class Link:
     down_bytes: int = 0  # the latest whole download (its codec's size)
     up_bytes: int = 0  # the latest whole upload (its codec's size)
     compute_s: float = 0.0  # from the end of its download to the start of its upload
-    measured_at: float = 0.0  # time.monotonic() of its latest transfer
+    measured_at: float = 0.0  # time.monotonic() of its latest training-round transfer
     download_ended: float | None = None
     skipped_in_a_row: int = 0
 
@@ -70,10 +74,15 @@ class TransferMeter:
     (`whole`), its size."""
 
     def __init__(
-        self, links: LinkEstimates, site: str, direction: str, counted: Callable[[], int] | None
+        self,
+        links: LinkEstimates,
+        site: str,
+        direction: str,
+        counted: Callable[[], int] | None,
+        training: bool,
     ) -> None:
         self._links, self._site, self._direction = links, site, direction
-        self._counted = counted
+        self._counted, self.training = counted, training
         self.started = time.monotonic()
         self._added = 0
         self.whole = False
@@ -86,13 +95,18 @@ class TransferMeter:
         return self._added + (self._counted() if self._counted is not None else 0)
 
     def rate(self, now: float) -> float | None:
-        """Bytes per second so far; None while too short to say."""
-        seconds = now - self.started
-        return self.nbytes / seconds if seconds >= LIVE_MEASURED_S else None
+        """Bytes per second so far; None while too short, or nothing moved, to say."""
+        seconds, nbytes = now - self.started, self.nbytes
+        return nbytes / seconds if seconds >= LIVE_MEASURED_S and nbytes > 0 else None
 
     def close(self) -> None:
         self._links.record(
-            self._site, self._direction, self.nbytes, time.monotonic() - self.started, self.whole
+            self._site,
+            self._direction,
+            self.nbytes,
+            time.monotonic() - self.started,
+            whole=self.whole,
+            training=self.training,
         )
         self._links.forget(self)
 
@@ -106,12 +120,16 @@ class LinkEstimates:
         self._lock = threading.Lock()
 
     def meter(
-        self, site: str, direction: str, counted: Callable[[], int] | None = None
+        self,
+        site: str,
+        direction: str,
+        counted: Callable[[], int] | None = None,
+        *,
+        training: bool = True,
     ) -> TransferMeter:
-        """`direction`: "down" (a model download) or "up" (an update upload)."""
-        if direction == "up":
-            self.upload_started(site)
-        meter = TransferMeter(self, site, direction, counted)
+        """`direction`: "down" (a model download) or "up" (an update upload);
+        `training`: part of a training round (an evaluation's download is not)."""
+        meter = TransferMeter(self, site, direction, counted, training)
         with self._lock:
             self._live[(site, direction)] = meter
         return meter
@@ -129,10 +147,21 @@ class LinkEstimates:
         current = live.rate(time.monotonic()) if live is not None else None
         return measured if current is None else _smooth(measured, current)
 
-    def record(self, site: str, direction: str, nbytes: int, seconds: float, whole: bool) -> None:
+    def record(
+        self,
+        site: str,
+        direction: str,
+        nbytes: int,
+        seconds: float,
+        *,
+        whole: bool,
+        training: bool = True,
+    ) -> None:
+        """One finished (or cut off) transfer of `nbytes` in `seconds`."""
         with self._lock:
-            link = self._links.setdefault(site, Link())
-            link.measured_at = time.monotonic()
+            link = self._live_link(site)
+            if training or not link.measured_at:  # only training keeps figures fresh
+                link.measured_at = time.monotonic()
             if nbytes > 0 and seconds >= MIN_MEASURED_S:
                 rate = nbytes / seconds
                 if direction == "down":
@@ -140,18 +169,31 @@ class LinkEstimates:
                 else:
                     link.up_bps = _smooth(link.up_bps, rate)
             if direction == "down":
-                link.download_ended = time.monotonic()
+                link.download_ended = time.monotonic() if training else None
                 if whole:
                     link.down_bytes = nbytes
             elif whole:
                 link.up_bytes = nbytes
 
-    def upload_started(self, site: str) -> None:
+    def upload_started(self, site: str, *, count_compute: bool = True) -> None:
+        """`site` asked to upload (before any wait for a slot): the end of its compute
+        since its training download, unless `count_compute` is off (a secure round's
+        upload also waited for the other sites' key agreement)."""
         with self._lock:
-            link = self._links.setdefault(site, Link())
-            if link.download_ended is not None:
+            link = self._live_link(site)
+            if link.download_ended is not None and count_compute:
                 link.compute_s = time.monotonic() - link.download_ended
-                link.download_ended = None
+            link.download_ended = None
+
+    def _live_link(self, site: str) -> Link:
+        """`site`'s figures, reset when they are older than `FORGET_AFTER_S` (under the lock)."""
+        link = self._links.get(site)
+        if link is None or (
+            link.measured_at and time.monotonic() - link.measured_at > FORGET_AFTER_S
+        ):
+            skipped = link.skipped_in_a_row if link is not None else 0
+            link = self._links[site] = Link(skipped_in_a_row=skipped)
+        return link
 
     def rates(self, site: str) -> tuple[float | None, float | None]:
         """(download, upload) bytes per second of `site` as estimated now (None: unknown)."""
@@ -159,12 +201,9 @@ class LinkEstimates:
         return self._rate(site, "down", link.down_bps), self._rate(site, "up", link.up_bps)
 
     def link(self, site: str) -> Link | None:
-        """`site`'s figures; None if never measured or forgotten (`FORGET_AFTER_S`)."""
+        """`site`'s figures (forgotten ones reset: `FORGET_AFTER_S`); None if never seen."""
         with self._lock:
-            link = self._links.get(site)
-            if link is not None and time.monotonic() - link.measured_at > FORGET_AFTER_S:
-                link.down_bps = link.up_bps = None
-            return link
+            return self._live_link(site) if site in self._links else None
 
     def estimate(self, site: str, model_bytes: int, update_bytes: int | None) -> Estimate | None:
         """Seconds `site` needs for a round (None: not measured yet). `update_bytes`: what
@@ -182,7 +221,7 @@ class LinkEstimates:
         if up_bps is not None and up_bytes:
             seconds += up_bytes / up_bps
             rates.append(up_bps)
-        return Estimate(seconds, min(rates))
+        return Estimate(seconds, min(rates)) if rates else None
 
     def plan_round(
         self,
@@ -205,7 +244,7 @@ class LinkEstimates:
         skipped = dict(sorted(doomed.items(), key=lambda kv: -kv[1].seconds)[:room])
         with self._lock:
             for site in plan:
-                link = self._links.setdefault(site, Link())
+                link = self._live_link(site)
                 link.skipped_in_a_row = link.skipped_in_a_row + 1 if site in skipped else 0
         return skipped
 

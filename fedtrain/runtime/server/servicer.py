@@ -491,18 +491,23 @@ class FedtrainServicer:
             and round_state.model_version == model.version
         ):
             round_state = None  # not a download for a training round's deadline
-        async with self._transfer(session, "down") as meter:
+        async with self._transfer(session, "down", training=round_state is not None) as meter:
             yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
             for piece, size in await self._downloads.pieces(model, self._run):
-                if round_state is not None and round_state.closed:
-                    # The round it was for is over (its deadline passed): every further
-                    # byte would be spent on a model the site can no longer train for.
+                if (
+                    round_state is not None
+                    and round_state.closed
+                    and self.coordinator.global_model.version != model.version
+                ):
+                    # The round it was for is over and its model superseded: every
+                    # further byte is spent on a model the site can no longer train for
+                    # (a retried attempt trains from the same model: that one goes on).
                     await _abort(
                         context,
                         grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"site {session.site!r}: round {round_state.round} closed while the "
-                        "model was downloading; download stopped (the site gets the next "
-                        "instruction)",
+                        f"site {session.site!r}: round {round_state.round} closed and its "
+                        "model was superseded while it downloaded; download stopped (the "
+                        "site gets the next instruction)",
                     )
                 self.coordinator.transfers.add(sent=size)
                 meter.add(size)
@@ -511,12 +516,16 @@ class FedtrainServicer:
             meter.whole = True
 
     @contextlib.asynccontextmanager
-    async def _transfer(self, session: Session, direction: str) -> AsyncIterator[TransferMeter]:
+    async def _transfer(
+        self, session: Session, direction: str, *, training: bool = True
+    ) -> AsyncIterator[TransferMeter]:
         """A transfer slot, and the link's rate measured while the transfer holds it."""
         async with self.transfer_slots:
             received = session.bytes_received
             counted = (lambda: session.bytes_received - received) if direction == "up" else None
-            meter = self.coordinator.links.meter(session.site, direction, counted)
+            meter = self.coordinator.links.meter(
+                session.site, direction, counted, training=training
+            )
             try:
                 yield meter
             finally:
@@ -558,6 +567,7 @@ class FedtrainServicer:
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
+        self.coordinator.links.upload_started(session.site, count_compute=not header.masked)
         weight = None if header.masked else await self._weigh(state, session, header, context)
         async with self._transfer(session, "up") as meter:
             await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
