@@ -3,7 +3,6 @@ busy the main loop is), owner-only, gone when the server stops, replaced after a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -99,8 +98,8 @@ def test_a_second_server_on_the_run_dir_neither_takes_nor_removes_the_first_ones
     # leaves the new socket in place
     old = inprocess_server(tmp_path, TinyTask(), sites=2)
     local = old._local_status
-    assert local is not None and local._server is not None and local._loop is not None
-    asyncio.run_coroutine_threadsafe(local._server.stop(0), local._loop).result(10)
+    assert local is not None and local._server is not None and local._thread is not None
+    local._thread.run(local._server.stop(0), 10)
     new = inprocess_server(tmp_path, TinyTask(), sites=2)
     try:
         old.stop()

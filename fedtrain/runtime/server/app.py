@@ -38,6 +38,7 @@ from fedtrain.observability.tensorboard import TensorBoardWriter
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
@@ -194,6 +195,7 @@ class AggregationServer:
         self._grpc: grpc.aio.Server | None = None
         self._local_status: LocalStatus | None = None
         self._loop_tick = time.monotonic()
+        self._loop_thread: LoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -208,21 +210,10 @@ class AggregationServer:
 
     def start(self) -> int:
         """Listen, start the round loop and the watchdog; returns the bound port."""
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def serve() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
-
-        thread = threading.Thread(target=serve, name="fedtrain-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        self._loop = loop
-        self._threads.append(thread)
+        self._loop_thread = LoopThread("fedtrain-loop")
+        self._loop = self._loop_thread.start()
         try:
-            port = asyncio.run_coroutine_threadsafe(self._listen(), loop).result()
+            port = self._loop_thread.run(self._listen())
         except BaseException:
             self.stop()
             raise
@@ -338,21 +329,14 @@ class AggregationServer:
         self.coordinator.stop()
         for session in self.registry.sessions():
             self.registry.remove(session, "server shutting down")
-        loop = self._loop
-        if loop is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(grace), loop).result(grace + 10)
-            except Exception as exc:  # pragma: no cover - a handler stuck past the grace
-                log.warning("the gRPC server did not stop cleanly: %s", exc)
-            loop.call_soon_threadsafe(loop.stop)
+        if self._loop_thread is not None:
+            self._loop_thread.stop(self._shutdown(grace), grace + 10)
         if self._local_status is not None:
             self._local_status.stop()
         for thread in self._threads:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint
                 log.warning("thread %s did not stop within %.0fs", thread.name, grace + 5.0)
-        if loop is not None and not loop.is_running():
-            loop.close()
         self._cpu.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
         if self._tensorboard is not None:

@@ -14,7 +14,6 @@ no certificate. Remote operators keep asking on the main port, over mutual TLS.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -22,7 +21,6 @@ import shutil
 import socket
 import stat
 import tempfile
-import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import grpc
 from fedtrain.errors import ConfigError
 from fedtrain.observability.status import ServerState
 from fedtrain.runtime import status, wire
+from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -79,8 +78,7 @@ class LocalStatus:
         self.run_dir = Path(run_dir).resolve()
         self.path = self.run_dir / SOCKET_NAME
         self._snapshot, self._health = snapshot, health
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: LoopThread | None = None
         self._server: grpc.aio.Server | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket
 
@@ -99,13 +97,9 @@ class LocalStatus:
         return False
 
     def _start(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        self._thread = threading.Thread(
-            target=loop.run_forever, name="fedtrain-local-status", daemon=True
-        )
+        self._thread = LoopThread("fedtrain-local-status")
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._listen(), loop).result(30)
+        self._thread.run(self._listen(), 30)
 
     async def _listen(self) -> None:
         server = grpc.aio.server()
@@ -148,20 +142,11 @@ class LocalStatus:
 
     def stop(self, grace: float = 0.5) -> None:
         """Stop listening and remove our socket, never another server's (idempotent)."""
-        loop, self._loop = self._loop, None
-        if loop is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
         server = self._server
-        if server is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(server.stop(grace), loop).result(grace + 5)
-            except Exception as exc:  # pragma: no cover - a call stuck past the grace
-                log.warning("the local status server did not stop cleanly: %s", exc)
-        loop.call_soon_threadsafe(loop.stop)
-        if self._thread is not None:
-            self._thread.join(timeout=grace + 5)
-        if not loop.is_running():
-            loop.close()
+        thread.stop(server.stop(grace) if server is not None else None, grace + 5)
         with contextlib.suppress(OSError):
             info = self.path.lstat()
             # A successor started on the same run dir (a replacement pod while this one
