@@ -220,6 +220,12 @@ class ServerConfig:
         "Interface of the metrics endpoint ('0.0.0.0' for all). Plain HTTP without "
         "authentication: expose it only to your monitoring network.",
     )
+    status_socket: bool = option(
+        True,
+        "Also answer Status on RUN_DIR/status.sock (a Unix socket, owner-only, no TLS) "
+        "from a thread of its own, so `fedtrain status --run-dir` and probes on the "
+        "server's host answer in milliseconds however busy the rounds keep the main port.",
+    )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")

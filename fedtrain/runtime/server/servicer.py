@@ -22,6 +22,7 @@ however many sites there are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,6 +50,7 @@ from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
+from fedtrain.runtime.server.links import TransferMeter
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
@@ -481,7 +483,14 @@ class FedtrainServicer:
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
-        async with self.transfer_slots:
+        round_state = self.coordinator.current
+        if not (
+            isinstance(round_state, RoundState)
+            and session.site in round_state.plan
+            and round_state.model_version == model.version
+        ):
+            round_state = None  # not a download for a training round's deadline
+        async with self._transfer(session, "down", training=round_state is not None) as meter:
             manifest, pieces = await self.downloads.prepare(
                 model,
                 encoded=self.downloads.serves(session.capabilities),
@@ -491,9 +500,42 @@ class FedtrainServicer:
             )
             yield pb.ModelPiece(manifest=manifest)
             for piece, size in pieces:
+                if (
+                    round_state is not None
+                    and round_state.closed
+                    and self.coordinator.global_model.version != model.version
+                ):
+                    # The round it was for is over and its model superseded: every
+                    # further byte is spent on a model the site can no longer train for
+                    # (a retried attempt trains from the same model: that one goes on).
+                    await _abort(
+                        context,
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"site {session.site!r}: round {round_state.round} closed and its "
+                        "model was superseded while it downloaded; download stopped (the "
+                        "site gets the next instruction)",
+                    )
                 self.coordinator.transfers.add(sent=size)
+                meter.add(size)
                 session.touch()
                 yield piece  # bytes or a Chunk: wire.serialize_stream_item
+            meter.whole = True
+
+    @contextlib.asynccontextmanager
+    async def _transfer(
+        self, session: Session, direction: str, *, training: bool = True
+    ) -> AsyncIterator[TransferMeter]:
+        """A transfer slot, and the link's rate measured while the transfer holds it."""
+        async with self.transfer_slots:
+            received = session.bytes_received
+            counted = (lambda: session.bytes_received - received) if direction == "up" else None
+            meter = self.coordinator.links.meter(
+                session.site, direction, counted, training=training
+            )
+            try:
+                yield meter
+            finally:
+                meter.close()
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
@@ -531,8 +573,9 @@ class FedtrainServicer:
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
+        self.coordinator.links.upload_started(session.site, count_compute=not header.masked)
         weight = None if header.masked else await self._weigh(state, session, header, context)
-        async with self.transfer_slots:
+        async with self._transfer(session, "up") as meter:
             await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
             try:
                 if weight is None:
@@ -567,6 +610,7 @@ class FedtrainServicer:
                     grpc.StatusCode.INTERNAL,
                     f"{where}: the server failed to store the update ({exc}); it may be retried",
                 )
+            meter.whole = True
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -737,6 +781,7 @@ class FedtrainServicer:
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
             self.coordinator.transfers.add(received=len(chunk.data))
+            session.bytes_received += len(chunk.data)
             session.touch()
             yield chunk
 

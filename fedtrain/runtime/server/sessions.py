@@ -57,6 +57,8 @@ class Session:
     #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
     #: held-out set and answers EVALUATE instructions).
     capabilities: frozenset[str] = frozenset()
+    #: Upload bytes received over this session (what its link moved: `links.py`).
+    bytes_received: int = 0
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
