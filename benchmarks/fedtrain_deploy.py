@@ -98,6 +98,7 @@ def _write_configs(
     timeout: float,
     server_options: Mapping[str, Any],
     host: str = "127.0.0.1",
+    task_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, list[Path]]:
     """server.toml (``server_options`` on top) and site-i.toml (plus a CA and
     certificates when ``tls``)."""
@@ -106,7 +107,7 @@ def _write_configs(
 
     names = [f"site-{i}" for i in range(num_sites)]
     address = f"{host}:{port}"
-    options = {"num_params": num_params}
+    options = {"num_params": num_params, **(task_options or {})}
     server: dict[str, Any] = {
         "task": TASK,
         "task_options": options,
@@ -237,10 +238,12 @@ def run_fedtrain_deployment(
     wrap: Callable[[str, list[str]], list[str]] | None = None,
     extra_env: Mapping[str, str] | None = None,
     all_sites_required: bool = True,
+    task_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on fedtrain's runtime.
 
-    ``server_options`` are server.toml keys set on top of the benchmark's own.
+    ``server_options`` are server.toml keys set on top of the benchmark's own;
+    ``task_options`` are FlatTask options besides ``num_params``.
     ``host`` is the address the server listens on and the sites dial; ``wrap(name,
     argv)`` returns the command that runs process ``name`` (``server``, ``site-i``),
     e.g. inside a network namespace (it must exec, keeping the PID); ``extra_env`` is
@@ -276,6 +279,7 @@ def run_fedtrain_deployment(
         timeout_s,
         server_options or {},
         host,
+        task_options,
     )
     marker = uuid.uuid4().hex
     env = dict(os.environ)

@@ -183,6 +183,7 @@ def run_flower_deployment(
     wrap: Callable[[str, list[str]], list[str]] | None = None,
     extra_env: Mapping[str, str] | None = None,
     round_timeout_s: float | None = None,
+    incompressible: bool = False,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on Flower's deployment engine.
 
@@ -193,9 +194,11 @@ def run_flower_deployment(
     ``name`` (``superlink``, ``site-i``, ``flwr-cli``), e.g. inside a network namespace
     (it must exec, keeping the PID); ``extra_env`` is added to every process's
     environment; ``round_timeout_s`` is the ServerApp's per-round timeout (default:
-    the whole run's). ``workdir`` receives the app copy, ``FLWR_HOME``, logs and the
-    ServerApp's timing file; it is emptied first. ``client_torch`` makes each
-    ``flwr-clientapp`` do its add through torch (and so import torch every message).
+    the whole run's); ``incompressible`` starts from seeded random values and gives
+    each site its own delta, so no chunk is deduplicated. ``workdir`` receives the app
+    copy, ``FLWR_HOME``, logs and the ServerApp's timing file; it is emptied first.
+    ``client_torch`` makes each ``flwr-clientapp`` do its add through torch (and so
+    import torch every message).
 
     Returns a dict with ``s_per_round`` (wall seconds per round, round 1 timed from
     the moment enough SuperNodes were sampled), ``median_s_per_round``, ``peak_rss``
@@ -231,6 +234,7 @@ def run_flower_deployment(
             "num-sites": num_sites,
             "round-timeout": float(round_timeout_s or timeout_s),
             "client-torch": client_torch,
+            "incompressible": incompressible,
             "results-path": str(results_path),
         },
     )

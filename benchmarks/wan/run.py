@@ -32,6 +32,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -277,6 +278,7 @@ def run_system(
                 workdir / system,
                 scenario.deadline_s,
                 server_options=options,
+                task_options={"incompressible": True},
                 all_sites_required=False,
                 **common,
             )
@@ -291,6 +293,7 @@ def run_system(
                 workdir / system,
                 scenario.deadline_s,
                 round_timeout_s=scenario.round_timeout_s,
+                incompressible=True,
                 **common,
             )
             run.walls = list(result.get("s_per_round") or [])
@@ -335,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         for s in scenarios:
             print(f"{s.name:20} {s.title} (bound {s.bound_s(args.params):.1f} s/round)")
         return 0
+    # SIGTERM (and SIGINT, which a shell ignores in background jobs) unwind through
+    # the runners' and the emulator's cleanup instead of leaving processes and namespaces
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedtrain_wan_"))
     prefix = "ftw" + uuid.uuid4().hex[:4]
     command = "python -m benchmarks.wan.run " + shlex.join(
@@ -362,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         args.markdown.write_text(header + text)
     return 0 if all(r.ok or r.skipped for _, _, runs in results for r in runs) else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def parse_systems(text: str) -> list[str]:

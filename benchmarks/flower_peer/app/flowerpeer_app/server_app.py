@@ -90,7 +90,12 @@ def main(grid: Grid, context: Context) -> None:
         min_train_nodes=num_sites,
         min_available_nodes=num_sites,
     )
-    initial = ArrayRecord([np.zeros(num_params, dtype=np.float32)], keep_input=False)
+    if bool(cfg["incompressible"]):
+        # seeded random values: no two 5 MiB chunks alike, as with a real model
+        values = np.random.default_rng(0).standard_normal(num_params, dtype=np.float32)
+    else:
+        values = np.zeros(num_params, dtype=np.float32)
+    initial = ArrayRecord([values], keep_input=False)
     result = strategy.start(
         grid=grid,
         initial_arrays=initial,
