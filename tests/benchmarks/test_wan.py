@@ -162,3 +162,17 @@ def test_the_flower_peer_sees_a_port_listening_in_a_process_network_namespace() 
         assert not listening(os.getpid(), port)
         sock.listen()
         assert listening(os.getpid(), port)
+
+
+def test_the_incompressible_model_has_no_two_chunks_alike_and_sites_differ() -> None:
+    """Flower content-addresses 5 MiB chunks: a constant model would travel as one."""
+    from benchmarks.flat_task import FlatTask, site_delta
+
+    task = FlatTask(num_params=4 * 1024 * 1024, incompressible=True)
+    weights = task.model().weights.detach()
+    chunks = weights.view(4, -1)
+    assert len({bytes(c.numpy().tobytes()[:4096]) for c in chunks}) == 4
+    assert bool((task.model().weights == weights).all())  # seeded: server and sites agree
+    deltas = {site_delta(f"site-{i}") for i in range(3)}
+    assert len(deltas) == 3
+    assert (FlatTask(10).model().weights == 0).all()  # the loopback default is unchanged
