@@ -339,6 +339,7 @@ def run_flower_deployment(
         "error": error,
         "wall_s": time.monotonic() - t_begin,
         "checksum": results.get("checksum"),
+        "results_per_round": results.get("results_per_round", []),
         "leftover_processes": leftovers,
         "workdir": str(workdir),
     }

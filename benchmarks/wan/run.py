@@ -86,6 +86,13 @@ class SystemRun:
     def median(self) -> float | None:
         return statistics.median(self.walls) if self.walls else None
 
+    def line_rate_pct(self, bound_s: float, num_sites: int = NUM_SITES) -> float | None:
+        """Bound / median round; none when a round closed without every site's update
+        (it did not move the bytes the bound counts)."""
+        if any(c is not None and c < num_sites for c in self.clients_per_round):
+            return None
+        return percent_of_line_rate(bound_s, self.median)
+
 
 def percent_of_line_rate(bound_s: float, seconds: float | None) -> float | None:
     """The share of line rate a round reached: bound / measured (100% = at line rate)."""
@@ -147,9 +154,7 @@ def render_markdown(results: Sequence[tuple[Scenario, float, Sequence[SystemRun]
                 cells.append(f"did not finish ({run.deadline_s:.0f} s)" if not run.ok else "—")
             else:
                 cells.append(" / ".join(_fmt_s(w) for w in run.walls))
-        pcts = [
-            _fmt_pct(percent_of_line_rate(bound, by[s].median)) if s in by else "—" for s in SYSTEMS
-        ]
+        pcts = [_fmt_pct(by[s].line_rate_pct(bound)) if s in by else "—" for s in SYSTEMS]
         lines.append(
             f"| {scenario.title} | {cells[0]} | {cells[1]} | {bound:.1f} s "
             f"| {pcts[0]} | {pcts[1]} |"
@@ -168,7 +173,7 @@ def render_markdown(results: Sequence[tuple[Scenario, float, Sequence[SystemRun]
             each = ", ".join(_fmt_s(w) for w in run.walls) or "—"
             lines.append(
                 f"| {run.system} | {each} | {_fmt_s(run.median)} | {bound:.1f} s "
-                f"| {_fmt_pct(percent_of_line_rate(bound, run.median))} "
+                f"| {_fmt_pct(run.line_rate_pct(bound))} "
                 f"| {run.wall_s:.0f} s | {outcome(run)} |"
             )
         lines.append("")
@@ -297,6 +302,7 @@ def run_system(
                 **common,
             )
             run.walls = list(result.get("s_per_round") or [])
+            run.clients_per_round = list(result.get("results_per_round") or [])
         run.sent_mb = {f"site-{i}": watcher.moved(f"site-{i}").sent / 1e6 for i in range(NUM_SITES)}
         run.cut_at_s = watcher.cut_at_s
     run.ok = bool(result.get("ok"))

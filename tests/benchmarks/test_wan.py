@@ -139,6 +139,8 @@ def test_a_run_past_its_deadline_says_what_had_moved() -> None:
     done.clients_per_round = [2, 2]
     done.drops = ["site-0 r1: deadline", "site-0 r2: deadline"]
     assert outcome(done).startswith("2/2 rounds; 2 round(s) closed with fewer than 3 sites")
+    assert done.line_rate_pct(64.0) is None  # 45 s rounds without the slow site beat no bound
+    assert SystemRun("flower", 2, 300.0, walls=[80.0, 64.0]).line_rate_pct(64.0) == 100 * 64 / 72
 
 
 def test_the_tables_put_the_bound_and_share_of_line_rate_beside_each_figure() -> None:
