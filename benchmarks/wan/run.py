@@ -58,6 +58,8 @@ __all__ = ["SystemRun", "main", "outcome", "percent_of_line_rate", "render_markd
 SYSTEMS = ("fedtrain", "flower")
 _ATTEMPT = re.compile(r"round (\d+) \(attempt (\d+)\)")
 _DROPPED = re.compile(r"site '([^']+)' dropped out of round (\d+) \(([^)]*)\)")
+# one line per upload the server threw away (a site's own report of it is not counted)
+_DISCARDED = re.compile(r"upload refused: .*update dropped|partial update discarded")
 
 
 def log(message: str) -> None:
@@ -79,6 +81,7 @@ class SystemRun:
     clients_per_round: list[int | None] = field(default_factory=list)
     retries: int = 0
     drops: list[str] = field(default_factory=list)
+    discarded: int = 0  # uploads the server threw away (broken off, or the round closed)
     cut_at_s: float | None = None  # since the run began
     skipped: str | None = None
 
@@ -121,6 +124,8 @@ def outcome(run: SystemRun, num_sites: int = NUM_SITES) -> str:
         parts.append(f"{len(short)} round(s) closed with fewer than {num_sites} sites ({short})")
     if run.retries:
         parts.append(f"{run.retries} round retry(ies)")
+    if run.discarded:
+        parts.append(f"{run.discarded} upload(s) discarded")
     if run.drops:
         parts.append(f"{len(run.drops)} drop(s): {'; '.join(sorted(set(run.drops)))[:160]}")
     if run.cut_at_s is not None:
@@ -229,18 +234,18 @@ class CutWatcher:
         log(f"  restored {cut.node}'s link")
 
 
-def _log_events(path: Path) -> tuple[int, list[str]]:
-    """Round retries and site drops from a fedtrain server log."""
+def _log_events(path: Path) -> tuple[int, list[str], int]:
+    """Round retries, site drops and discarded uploads from a fedtrain server log."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return 0, []
+        return 0, [], 0
     # several lines name one attempt: count distinct (round, attempt > 1) pairs
     retries = len(
         {(m.group(1), m.group(2)) for m in _ATTEMPT.finditer(text) if int(m.group(2)) > 1}
     )
     drops = [f"{m.group(1)} r{m.group(2)}: {m.group(3)}" for m in _DROPPED.finditer(text)]
-    return retries, drops
+    return retries, drops, len(_DISCARDED.findall(text))
 
 
 def run_system(
@@ -289,7 +294,9 @@ def run_system(
             )
             run.walls = round_walls(result)
             run.clients_per_round = result.get("clients_per_round") or []
-            run.retries, run.drops = _log_events(workdir / system / "logs" / "server.log")
+            run.retries, run.drops, run.discarded = _log_events(
+                workdir / system / "logs" / "server.log"
+            )
         else:
             result = run_flower_deployment(
                 num_params,

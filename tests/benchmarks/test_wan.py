@@ -178,3 +178,25 @@ def test_the_incompressible_model_has_no_two_chunks_alike_and_sites_differ() -> 
     deltas = {site_delta(f"site-{i}") for i in range(3)}
     assert len(deltas) == 3
     assert (FlatTask(10).model().weights == 0).all()  # the loopback default is unchanged
+
+
+def test_retries_drops_and_discarded_uploads_are_read_from_the_server_log(tmp_path: Path) -> None:
+    from benchmarks.wan.run import _log_events
+
+    log = tmp_path / "server.log"
+    log.write_text(
+        "... coordinator: round 2 (attempt 1): 3 site(s) train from model a: s0\n"
+        "... coordinator: site 'site-0' dropped out of round 2 (heartbeat timed out)\n"
+        "... servicer: site 'site-0', round 2: the upload stream broke off; partial update "
+        "discarded\n"
+        "... coordinator: round 2 (attempt 2): 3 site(s) train from model a: s0\n"
+        "... coordinator: round 2 (attempt 2): 3 site(s) train from model a: s0\n"
+        "... servicer: upload refused: site 'site-0', round 1: the round closed while the "
+        "update was being received; update dropped\n"
+        "... servicer: site 'site-0' reports for round 1: FAILED_PRECONDITION: site 'site-0', "
+        "round 1: the round closed while the update was being received; update dropped\n"
+    )
+    retries, drops, discarded = _log_events(log)
+    assert (retries, discarded) == (1, 2)
+    assert drops == ["site-0 r2: heartbeat timed out"]
+    assert _log_events(tmp_path / "missing.log") == (0, [], 0)
