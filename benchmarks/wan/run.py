@@ -141,6 +141,14 @@ def _fmt_pct(value: float | None) -> str:
     return "—" if value is None else f"{value:.0f}%"
 
 
+def _pct(scenario: Scenario, run: SystemRun | None, bound: float) -> str:
+    """The share of line rate, or a dash where a median over rounds means nothing: a
+    scenario with a cut (one round holds the outage; read the rounds instead)."""
+    if run is None or scenario.cut is not None:
+        return "—"
+    return _fmt_pct(run.line_rate_pct(bound))
+
+
 def render_markdown(results: Sequence[tuple[Scenario, float, Sequence[SystemRun]]]) -> str:
     """A summary table (one row per scenario) and one detail table per scenario."""
     lines = [
@@ -159,7 +167,7 @@ def render_markdown(results: Sequence[tuple[Scenario, float, Sequence[SystemRun]
                 cells.append(f"did not finish ({run.deadline_s:.0f} s)" if not run.ok else "—")
             else:
                 cells.append(" / ".join(_fmt_s(w) for w in run.walls))
-        pcts = [_fmt_pct(by[s].line_rate_pct(bound)) if s in by else "—" for s in SYSTEMS]
+        pcts = [_pct(scenario, by.get(s), bound) for s in SYSTEMS]
         lines.append(
             f"| {scenario.title} | {cells[0]} | {cells[1]} | {bound:.1f} s "
             f"| {pcts[0]} | {pcts[1]} |"
@@ -178,7 +186,7 @@ def render_markdown(results: Sequence[tuple[Scenario, float, Sequence[SystemRun]
             each = ", ".join(_fmt_s(w) for w in run.walls) or "—"
             lines.append(
                 f"| {run.system} | {each} | {_fmt_s(run.median)} | {bound:.1f} s "
-                f"| {_fmt_pct(run.line_rate_pct(bound))} "
+                f"| {_pct(scenario, run, bound)} "
                 f"| {run.wall_s:.0f} s | {outcome(run)} |"
             )
         lines.append("")

@@ -152,6 +152,9 @@ def test_the_tables_put_the_bound_and_share_of_line_rate_beside_each_figure() ->
     text = render_markdown([(s, 6.4, runs)])
     assert "| 100 Mbit/s, 40 ms RTT, cubic | 7.0 / 8.0 / 7.1 | 16.0 / 16.0 / 16.0 | 6.4 s " in text
     assert "| 90% | 40% |" in text  # 6.4 / 7.1 (median) and 6.4 / 16
+    (cut,) = select(["cut-upload-10"])
+    text = render_markdown([(cut, 6.4, runs)])
+    assert "| 7.0 / 8.0 / 7.1 | 16.0 / 16.0 / 16.0 | 6.4 s | — | — |" in text  # read the rounds
     skipped = Scenario("x", "x", _star(Link.symmetric(10)), flower=False)
     text = render_markdown([(skipped, 64.0, [SystemRun("flower", 1, 1.0, skipped="not run")])])
     assert "| flower | — | — | 64.0 s | — |" in text
