@@ -78,6 +78,7 @@ class SystemRun:
     error: str | None = None
     wall_s: float = 0.0
     sent_mb: dict[str, float] = field(default_factory=dict)  # per site, since the run began
+    received_mb: dict[str, float] = field(default_factory=dict)
     clients_per_round: list[int | None] = field(default_factory=list)
     retries: int = 0
     drops: list[str] = field(default_factory=list)
@@ -115,7 +116,11 @@ def outcome(run: SystemRun, num_sites: int = NUM_SITES) -> str:
     elif run.error and run.error.startswith("timed out"):
         parts.append(
             f"did not finish in {run.deadline_s:.0f} s: {done}/{run.rounds_wanted} rounds; "
-            "sites had sent " + "/".join(f"{mb:.0f}" for mb in run.sent_mb.values()) + " MB"
+            "sites had received "
+            + "/".join(f"{mb:.0f}" for mb in run.received_mb.values())
+            + " MB and sent "
+            + "/".join(f"{mb:.0f}" for mb in run.sent_mb.values())
+            + " MB"
         )
     else:
         parts.append(f"failed after {done}/{run.rounds_wanted} rounds: {(run.error or '')[:120]}")
@@ -319,6 +324,9 @@ def run_system(
             run.walls = list(result.get("s_per_round") or [])
             run.clients_per_round = list(result.get("results_per_round") or [])
         run.sent_mb = {f"site-{i}": watcher.moved(f"site-{i}").sent / 1e6 for i in range(NUM_SITES)}
+        run.received_mb = {
+            f"site-{i}": watcher.moved(f"site-{i}").received / 1e6 for i in range(NUM_SITES)
+        }
         run.cut_at_s = watcher.cut_at_s
     run.ok = bool(result.get("ok"))
     run.error = result.get("error")

@@ -134,7 +134,10 @@ def test_counters_are_read_per_node_and_partial_lines_ignored() -> None:
 def test_a_run_past_its_deadline_says_what_had_moved() -> None:
     run = SystemRun("fedtrain", 1, 300.0, error="timed out:\n...")
     run.sent_mb = {"site-0": 29.4, "site-1": 28.0, "site-2": 30.2}
-    assert outcome(run) == "did not finish in 300 s: 0/1 rounds; sites had sent 29/28/30 MB"
+    run.received_mb = {"site-0": 41.6, "site-1": 41.7, "site-2": 41.6}
+    assert outcome(run) == (
+        "did not finish in 300 s: 0/1 rounds; sites had received 42/42/42 MB and sent 29/28/30 MB"
+    )
     done = SystemRun("fedtrain", 2, 300.0, walls=[45.1, 45.0], ok=True)
     done.clients_per_round = [2, 2]
     done.drops = ["site-0 r1: deadline", "site-0 r2: deadline"]
