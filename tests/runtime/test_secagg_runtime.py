@@ -35,7 +35,7 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.server.coordinator import Coordinator
-from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.server.masked_sum import MaskedSum
 from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.secagg import (
     ConsistencyRequest,
@@ -645,21 +645,21 @@ def test_over_mtls_a_site_told_another_survivor_set_refuses_to_unmask(
 ) -> None:
     """The server lies to site c (id 3) through the real stage messages: site a dropped
     (to c alone), so c should reveal a's mask key. c refuses: only c signed that set."""
-    send = SecureRoundState._send
+    send = MaskedSum.send
 
-    def lying_send(self: SecureRoundState, messages: dict[int, ServerMessage]) -> None:
+    def lying_send(self: MaskedSum, messages: dict[int, ServerMessage], gone: set[str]) -> None:
         msg = messages.get(3)
         if isinstance(msg, ConsistencyRequest):
             messages = {**messages, 3: dataclasses.replace(msg, survivors=(2, 3))}
         elif isinstance(msg, UnmaskRequest):
             lie = dataclasses.replace(msg, survivors=(2, 3), dropped=(1,))
             messages = {**messages, 3: lie}
-        send(self, messages)
+        send(self, messages, gone)
 
     def unchecked(self: SecAggServer, msg: ConsistencySignature) -> None:
         self._signatures[msg.site] = msg.signature  # a liar does not check what it caused
 
-    monkeypatch.setattr(SecureRoundState, "_send", lying_send)
+    monkeypatch.setattr(MaskedSum, "send", lying_send)
     monkeypatch.setattr(SecAggServer, "_receive_signature", unchecked)
     # Rounds count with 2 sites, so c may sign a 2-site set; its refusal comes later.
     server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
