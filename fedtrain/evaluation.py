@@ -15,6 +15,14 @@ so an operator sees where the model is good, not only its mean.
 - `sites`: only at the sites, even if a test set exists (it is then never loaded);
 - `off`: never.
 
+Under secure aggregation an evaluation at the sites is secure too
+(`fedtrain.secagg.evaluation`): the sites' loss sums, correct counts and example
+counts are masked like their updates, so the server learns only the federation's
+totals: no `site_metrics`, no `worst_site`, whatever `site_metrics` says. No plain
+per-site option remains under secure aggregation: a site's metrics say as much
+about its data as its update would, and a site that requires secure aggregation
+refuses a plain evaluation.
+
 This module is core: the runtime and the simulation both build their records with
 it, so the keys mean the same in every driver.
 """
@@ -26,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedtrain.errors import ConfigError
+from fedtrain.secagg.evaluation import EvalTotals
 from fedtrain.task import EvalResult
 
 EvaluateAt = Literal["auto", "server", "sites", "off"]
@@ -35,12 +44,14 @@ EVALUATE_DOC = (
     "virtual clients); `server` on the "
     "test set only; `sites` at the sites only (federated evaluation: each chosen site "
     "evaluates on its held-out data; the record's loss/accuracy are the example-weighted "
-    "means, with each site's values in `site_metrics`); `off`."
+    "means, with each site's values in `site_metrics`; under secure aggregation only the "
+    "federation's totals, masked like the updates); `off`."
 )
 SITE_METRICS_DOC = (
     "Federated evaluation: write each site's (virtual client's) evaluation metrics "
     "(`site_metrics`, `worst_site`) to metrics.jsonl; false: only the federation's "
-    "means (a deployment's server still receives each site's figures)."
+    "means (a deployment's server still receives each site's figures). Off under "
+    "secure aggregation: the server then never learns a site's figures."
 )
 #: What a site that can evaluate (it holds a held-out set) advertises when it joins.
 EVALUATE_CAPABILITY = "evaluate"
@@ -121,6 +132,23 @@ def federated_record(
         record["worst_accuracy"] = results[worst].metrics.get("accuracy")
         record["worst_loss"] = results[worst].loss
     return record
+
+
+def secure_record(
+    aggregated: Mapping[str, float], totals: EvalTotals | None, missing: Sequence[str]
+) -> dict[str, Any]:
+    """The record's evaluation keys for a secure federated evaluation: the federation's
+    totals only (`eval_secure`); `totals` None when the exchange failed (`missing`:
+    every site asked that is not in the sum)."""
+    return {
+        "loss": aggregated.get("loss"),
+        "accuracy": aggregated.get("accuracy"),
+        "eval_source": "sites",
+        "eval_secure": True,
+        "eval_examples": totals.num_examples if totals is not None else 0,
+        "eval_sites": totals.sites if totals is not None else 0,
+        "eval_missing": sorted(missing),
+    }
 
 
 def worst_site(results: Mapping[str, EvalResult]) -> str | None:

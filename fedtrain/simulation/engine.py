@@ -132,6 +132,7 @@ def _run_rounds(
                             global_state,
                             eval_rng,
                             per_site=config.site_metrics,
+                            secure=secure,
                         )
                     )
             record["seconds"] = time.perf_counter() - start
