@@ -30,6 +30,7 @@ from fedtrain.evaluation import (
     eval_metrics,
     evaluation_due,
     federated_record,
+    secure_record,
     server_record,
     where_to_evaluate,
 )
@@ -47,6 +48,7 @@ from fedtrain.runtime.server.evaluation_round import EvaluationRound
 from fedtrain.runtime.server.faults import fault_point
 from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
 from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.server.secure_evaluation import SecureEvaluation
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
@@ -133,6 +135,8 @@ class Coordinator:
         self.evaluate_at = self._where_to_evaluate(config, strategy)
         #: The federated evaluation in progress (reports from sites go to it), or None.
         self.evaluation: EvaluationRound | None = None
+        #: The secure federated evaluation in progress (stage messages go to it), or None.
+        self.secure_evaluation: SecureEvaluation | None = None
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
         self.last_metrics: dict[str, Any] = {}
@@ -177,10 +181,9 @@ class Coordinator:
     def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
         """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
 
-        Under secure aggregation `auto` does not evaluate at the sites: their metrics
-        would reach the server in the clear, which `evaluate = "sites"` then says
-        explicitly. FedBuff's sites train without pause, so an evaluation would
-        displace their jobs: not supported yet."""
+        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`).
+        FedBuff's sites train without pause, so an evaluation would displace their
+        jobs: not supported yet."""
         where = where_to_evaluate(config.evaluate, self.test_data is not None)
         if where != "sites":
             if config.evaluate == "server" and where == "off":
@@ -197,16 +200,12 @@ class Coordinator:
                 "the task has no test set and %s runs asynchronously: no evaluation", strategy.name
             )
             return "off"
-        if config.secagg.enabled and config.evaluate == "auto":
-            log.warning(
-                "the task has no test set, and under secure aggregation the sites evaluate "
-                "only with evaluate = 'sites' (each site's evaluation metrics then reach the "
-                "server in the clear; its update never does): no evaluation"
-            )
-            return "off"
         log.info(
-            "the global model is evaluated at the sites (federated evaluation) every %d "
+            "the global model is evaluated at the sites (federated evaluation%s) every %d "
             "round(s), on their held-out sets",
+            ", secure: the server learns only the federation's totals"
+            if config.secagg.enabled
+            else "",
             config.eval_every,
         )
         return "sites"
@@ -329,6 +328,9 @@ class Coordinator:
         evaluation = self.evaluation
         if evaluation is not None:
             evaluation.wake()
+        secure = self.secure_evaluation
+        if secure is not None:
+            secure.wake()
 
     @property
     def stopped(self) -> bool:
@@ -571,6 +573,8 @@ class Coordinator:
                 self.strategy.min_evaluate_clients,
             )
             return federated_record({}, {}, [], per_site=False)
+        if self.secagg is not None:
+            return self._secure_evaluation(server_round, plan)
         weights = self.config.weights
         state = EvaluationRound(
             server_round,
@@ -613,11 +617,76 @@ class Coordinator:
             aggregated, results, list(missing), per_site=self.config.site_metrics
         )
 
+    def _secure_evaluation(self, server_round: int, plan: dict[str, RoundConfig]) -> dict[str, Any]:
+        """`federated_evaluation` under secure aggregation: the record keys of the
+        federation's totals (`secure_evaluation.py`); nothing per site."""
+        assert self.secagg is not None
+        model = self.global_model
+        minimum = max(2, self.strategy.min_evaluate_clients)
+        if len(plan) < minimum:
+            log.warning(
+                "round %d: no evaluation: a secure evaluation needs at least %d sites "
+                "(max(2, strategy.min_evaluate_clients)), %d can evaluate",
+                server_round,
+                minimum,
+                len(plan),
+            )
+            return secure_record({}, None, sorted(plan))
+        state = SecureEvaluation(
+            server_round,
+            model.version,
+            plan,
+            time.monotonic() + self.config.eval_timeout_s,
+            settings=self.secagg,
+            sessions={site: self.registry.get(site) for site in plan},
+            audit=self.audit,
+            min_included=minimum,
+            verifier=self.secagg_verifier,
+        )
+        self.secure_evaluation = state
+        try:
+            state.start(time.time() + self.config.eval_timeout_s)
+            state.wait(lambda: self.stopped)
+        finally:
+            self.secure_evaluation = None
+        totals = state.totals
+        aggregated = (
+            self.strategy.aggregate_evaluate(
+                server_round, [(totals.num_examples, totals.metrics())]
+            )
+            if totals is not None
+            else {}
+        )
+        log.info(
+            "round %d: %s of %d site(s) evaluated model %s securely: %s",
+            server_round,
+            totals.sites if totals is not None else "none",
+            len(plan),
+            model.version[:12],
+            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items()))
+            or (state.failed or "no result"),
+        )
+        return secure_record(aggregated, totals, state.missing())
+
+    def secagg_exchange(self) -> SecureRoundState | SecureEvaluation | None:
+        """Where a site's secure-aggregation message goes: the secure evaluation in
+        progress, else the secure round in progress (None: neither)."""
+        if self.secure_evaluation is not None:
+            return self.secure_evaluation
+        state = self.current
+        return state if isinstance(state, SecureRoundState) else None
+
     def evaluation_received(self, session: Session, report: pb.EvalReport) -> None:
         """A site's EvalReport: counted by the evaluation in progress, or refused (logged
         and audited; the site is then missing from it)."""
         state = self.evaluation
         try:
+            if self.secure_evaluation is not None or self.secagg is not None:
+                raise ProtocolError(
+                    f"site {session.site!r} sent a plain evaluation report for round "
+                    f"{report.round}, but this federation evaluates under secure aggregation "
+                    "(a site's evaluation reaches the server only masked); ignored"
+                )
             if state is None:
                 raise ProtocolError(
                     f"site {session.site!r} sent an evaluation of round {report.round}, but no "
@@ -721,6 +790,14 @@ class Coordinator:
 
     # -- events from the servicer ----------------------------------------------------------
     def _on_leave(self, session: Session, reason: str) -> None:
+        secure = self.secure_evaluation
+        if secure is not None and secure.settle(session.site, f"left ({reason})"):
+            log.warning(
+                "site %r left during round %d's secure evaluation (%s)",
+                session.site,
+                secure.round,
+                reason,
+            )
         evaluation = self.evaluation
         if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
             log.warning(
@@ -735,6 +812,9 @@ class Coordinator:
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update (or evaluation)."""
+        secure = self.secure_evaluation
+        if secure is not None and secure.round == server_round:
+            secure.settle(session.site, f"failed: {message}")
         evaluation = self.evaluation
         if evaluation is not None and evaluation.round == server_round:
             evaluation.settle(session.site, f"failed: {message}")

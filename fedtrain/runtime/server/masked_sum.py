@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from fedtrain.errors import ProtocolError, SecAggError
+from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
@@ -52,6 +53,24 @@ log = logging.getLogger(__name__)
 
 #: When a stage may close at the latest (time.monotonic()), asked as it opens.
 StageDeadline = Callable[[Stage], float]
+
+
+def stage_deadline(settings: SecAggServerSettings, stage: Stage, until: float) -> float:
+    """When `stage`, opening now, closes at the latest: the key stages and the masked
+    input within `until` (the exchange's own deadline); signing and unmasking are short
+    and come after the inputs are in, so they may outlast it."""
+    now = time.monotonic()
+    if stage is Stage.SETUP:
+        return min(now + settings.setup_timeout_s, until)
+    if stage is Stage.SHARE_KEYS:
+        return min(now + settings.share_keys_timeout_s, until)
+    if stage is Stage.MASKED_INPUT:
+        if settings.masked_input_timeout_s:
+            return min(now + settings.masked_input_timeout_s, until)
+        return until
+    if stage is Stage.CONSISTENCY:
+        return now + settings.consistency_timeout_s
+    return now + settings.unmask_timeout_s
 
 
 class MaskedSum:

@@ -23,7 +23,6 @@ chunk can never race a stage closing, and nothing waits on a timer.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from fedtrain.runtime.config import SecAggServerSettings
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
-from fedtrain.runtime.server.masked_sum import MaskedSum
+from fedtrain.runtime.server.masked_sum import MaskedSum, stage_deadline
 from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.server.sessions import Session
 from fedtrain.runtime.server.uploads import UpdateSpool
@@ -189,18 +188,4 @@ class SecureRoundState(RoundState):
         return failed | self._left
 
     def _deadline(self, stage: Stage) -> float:
-        now = time.monotonic()
-        s = self.settings
-        if stage is Stage.SETUP:
-            return min(now + s.setup_timeout_s, self.deadline)
-        if stage is Stage.SHARE_KEYS:
-            return min(now + s.share_keys_timeout_s, self.deadline)
-        if stage is Stage.MASKED_INPUT:
-            if s.masked_input_timeout_s:
-                return min(now + s.masked_input_timeout_s, self.deadline)
-            return self.deadline
-        # Signing and unmasking are short and come after the updates are in: they may
-        # outlast the round.
-        if stage is Stage.CONSISTENCY:
-            return now + s.consistency_timeout_s
-        return now + s.unmask_timeout_s
+        return stage_deadline(self.settings, stage, self.deadline)

@@ -430,6 +430,18 @@ class SiteDaemon:
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
         """Hand an instruction to the trainer; a newer one replaces one not yet started."""
         if instruction.kind == pb.EVALUATE and EVALUATE_CAPABILITY in self.capabilities:
+            if instruction.secagg:
+                self.secagg.expect(instruction)  # its stage messages follow on this stream
+            elif self.config.require_secagg:
+                refusal = (
+                    f"round {instruction.round}: the server asks for a plain evaluation "
+                    "report, but this site requires secure aggregation (require_secagg = "
+                    "true), and its evaluation metrics would reach the server unmasked; "
+                    "refusing to evaluate"
+                )
+                log.error("%s", refusal)
+                link.report(instruction.round, refusal)
+                return
             with self._job_ready:
                 self._job = (link, instruction)
                 self._job_ready.notify()
@@ -542,6 +554,9 @@ class SiteDaemon:
             )
             assert ev is not None  # the capability is advertised only with a held-out set
             check_eval_result(ev, f"site {self.name!r}, round {server_round}")
+            if instruction.secagg:  # the evaluation leaves the site only masked
+                self.secagg.send_masked_evaluation(link, instruction, ev)
+                return
             report = pb.EvalReport(
                 round=server_round,
                 model_version=instruction.model_version,
@@ -556,6 +571,8 @@ class SiteDaemon:
                 return
             log.warning("round %d: evaluation: model download failed: %s", server_round, exc)
             link.report(server_round, f"evaluation: {rpc.describe_rpc_error(exc)}")
+        except RoundSuperseded as exc:
+            log.info("round %d: evaluation abandoned: %s", server_round, exc)
         except Exception as exc:  # the task's code may raise anything; the daemon survives it
             log.exception("round %d: evaluation failed at this site", server_round)
             link.report(server_round, f"evaluation: {type(exc).__name__}: {exc}")
@@ -568,7 +585,13 @@ class SiteDaemon:
         if done is not None and done[0] == version:
             return done[1]
         ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
-        log.info("held-out set (%d examples): loss %.4f %s", ev.num_examples, ev.loss, ev.metrics)
+        log.info(
+            "model %s on the held-out set (%d examples): loss %r %s",
+            version[:12],
+            ev.num_examples,
+            ev.loss,
+            ev.metrics,
+        )
         self._evaluated = (version, ev)
         return ev
 
