@@ -180,8 +180,7 @@ class SiteDaemon:
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
         #: The held-out set (data.eval_path / eval_fraction / the hook's SiteData.test):
-        #: the server's EVALUATE instructions are answered on it, and each round's global
-        #: model is evaluated on it before training here.
+        #: the server's EVALUATE instructions are answered on it.
         self.eval_data: Dataset | None = None
         self.model: nn.Module | None = None
         if self.group is None:
@@ -197,8 +196,7 @@ class SiteDaemon:
         self.downloads = 0
         self.rounds_trained = 0
         self._cache: tuple[str, ModelState] | None = None
-        #: (model version, its held-out metrics): a model evaluated on the server's
-        #: EVALUATE is not evaluated again before training from it.
+        #: (model version, its held-out metrics): a version is evaluated once.
         self._evaluated: tuple[str, EvalResult] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
@@ -489,9 +487,7 @@ class SiteDaemon:
             global_state = self.fetch_model(link, instruction.model_version)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
-            local, result = self._train(
-                global_state, config, instruction.deadline_unix, instruction.model_version
-            )
+            local, result = self._train(global_state, config, instruction.deadline_unix)
             clock.mark("train")
             if instruction.secagg:  # the update leaves the site only masked
                 header, chunks = self.secagg.masked_update(
@@ -596,7 +592,7 @@ class SiteDaemon:
         return ev
 
     def _train(
-        self, global_state: ModelState, config: RoundConfig, deadline_unix: float, version: str
+        self, global_state: ModelState, config: RoundConfig, deadline_unix: float
     ) -> tuple[ModelState, TrainResult]:
         """One round's local training: (trained state, result), in this process or on
         the worker group. The state may be views of the live weights (no copy on the
@@ -608,23 +604,8 @@ class SiteDaemon:
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
-        held_out = self._evaluate(config, version)
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
-        if held_out:
-            result = replace(result, metrics={**result.metrics, **held_out})
         return ModelState(self.model.state_dict()), result
-
-    def _evaluate(self, config: RoundConfig, version: str) -> dict[str, float]:
-        """The global model (loaded in self.model) on the held-out set, as `site_eval_*`
-        metrics that travel with a plain update (a masked one carries no metrics)."""
-        ev = self._held_out(config, version)
-        if ev is None:
-            return {}
-        return {
-            "site_eval_loss": ev.loss,
-            "site_eval_examples": float(ev.num_examples),
-            **{f"site_eval_{k}": float(v) for k, v in ev.metrics.items()},
-        }
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks."""
