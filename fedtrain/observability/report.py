@@ -229,7 +229,8 @@ def _html(
     evaluated = [m for m in metrics if m.get("accuracy") is not None]
     if evaluated and evaluated[-1].get("eval_source") == "sites":
         final = evaluated[-1]
-        facts["final accuracy"] += f" (federated: {final.get('eval_sites', '?')} sites)"
+        how = "federated, secure" if final.get("eval_secure") else "federated"
+        facts["final accuracy"] += f" ({how}: {final.get('eval_sites', '?')} sites)"
         if final.get("worst_accuracy") is not None:
             facts["worst site"] = f"{final['worst_site']}: accuracy {final['worst_accuracy']:.4f}"
     if last.get("epsilon") is not None:
