@@ -53,6 +53,14 @@ SITE_METRICS_DOC = (
     "means (a deployment's server still receives each site's figures). Off under "
     "secure aggregation: the server then never learns a site's figures."
 )
+CROSS_SITE_DOC = (
+    "Cross-site validation at the end of the run: the final global model evaluated at "
+    "every site (virtual client) holding a held-out set, each site's figures written to "
+    "RUN_DIR/cross_site.json and drawn as a heat-map by `fedtrain report`. Not with secure "
+    "aggregation: it shows the server every site's figures."
+)
+#: The cross-site validation's results in the run directory.
+CROSS_SITE_FILE = "cross_site.json"
 #: What a site that can evaluate (it holds a held-out set) advertises when it joins.
 EVALUATE_CAPABILITY = "evaluate"
 
@@ -132,6 +140,36 @@ def federated_record(
         record["worst_accuracy"] = results[worst].metrics.get("accuracy")
         record["worst_loss"] = results[worst].loss
     return record
+
+
+def check_cross_site(enabled: bool, secagg: bool) -> None:
+    """Refuse cross-site validation under secure aggregation when the config is read."""
+    if enabled and secagg:
+        raise ConfigError(
+            "cross_site_validation = true cannot run with secure aggregation: it records "
+            "every site's evaluation of the final model, which secure aggregation keeps from "
+            "the server. Turn one of them off (cross_site_validation = false, or "
+            "secagg.enabled = false)"
+        )
+
+
+def cross_site_matrix(
+    server_round: int,
+    model_version: str,
+    results: Mapping[str, EvalResult],
+    missing: Sequence[str],
+) -> dict[str, Any]:
+    """What RUN_DIR/cross_site.json holds: per model evaluated (the final global one,
+    `models.global`), each site's figures on it and the sites that did not answer."""
+    row = {
+        "model_version": model_version,
+        "sites": {
+            site: {"examples": r.num_examples, **eval_metrics(r)}
+            for site, r in sorted(results.items())
+        },
+        "missing": sorted(missing),
+    }
+    return {"round": server_round, "models": {"global": row}}
 
 
 def secure_record(

@@ -14,7 +14,13 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
+from fedtrain.evaluation import (
+    CROSS_SITE_DOC,
+    EVALUATE_DOC,
+    SITE_METRICS_DOC,
+    EvaluateAt,
+    check_cross_site,
+)
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
@@ -170,6 +176,7 @@ class ServerConfig:
         "round's evaluation, which never fails the round.",
     )
     site_metrics: bool = option(True, SITE_METRICS_DOC)
+    cross_site_validation: bool = option(False, CROSS_SITE_DOC)
     round_timeout_s: float = option(
         600.0, "Deadline of a round; the round closes with the updates received by then."
     )
@@ -274,6 +281,7 @@ class ServerConfig:
                 )
         check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
+        check_cross_site(self.cross_site_validation, self.secagg.enabled)
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from fedtrain.errors import ConfigError
 from fedtrain.evaluation import (
+    cross_site_matrix,
     eval_metrics,
     federated_record,
     secure_record,
@@ -32,7 +33,7 @@ from fedtrain.simulation.events import ClientResult
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.secure import SecureAggregation
-from fedtrain.strategy import Strategy
+from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.task import EvalResult
 from fedtrain.tensors import ModelState
 
@@ -79,30 +80,7 @@ def evaluate_clients(
     chosen = strategy.configure_evaluate(server_round, population.ids, rng)
     if not chosen:
         return federated_record({}, {}, [], per_site=False)
-    shares: list[list[ClientWork]] = [[] for _ in range(backend.num_workers)]
-    for client_id in sorted(chosen):
-        shares[population.index(client_id) % backend.num_workers].append(
-            (client_id, chosen[client_id])
-        )
-    plan = RoundPlan(
-        server_round,
-        tuple(sorted(chosen)),
-        (),
-        tuple(tuple(share) for share in shares),
-        fold_in_workers=False,
-        evaluate=True,
-    )
-    results: dict[str, EvalResult] = {}
-    missing: list[str] = []
-    for event in backend.run_round(plan, global_state):
-        if not isinstance(event, ClientResult):
-            continue
-        if event.rejected is not None:
-            missing.append(event.client_id)
-            continue
-        metrics = dict(event.metrics)
-        loss = metrics.pop("loss")
-        results[event.client_id] = EvalResult(event.num_examples, loss, metrics)
+    results, missing = _evaluate(backend, population, server_round, chosen, global_state)
     if missing:
         log.warning(
             "round %d: %d chosen client(s) left out of the evaluation (no held-out "
@@ -128,3 +106,54 @@ def evaluate_clients(
         else {}
     )
     return federated_record(aggregated, results, missing, per_site=per_site)
+
+
+def cross_site_validation(
+    backend: Backend,
+    strategy: Strategy,
+    population: ClientPopulation,
+    server_round: int,
+    global_state: ModelState,
+) -> dict[str, Any]:
+    """The cross-site matrix (`cross_site_validation`): every client evaluates the
+    final global model."""
+    config = strategy.base_config(server_round)
+    chosen = {client: dict(config) for client in population.ids}
+    results, missing = _evaluate(backend, population, server_round, chosen, global_state)
+    return cross_site_matrix(server_round, global_state.digest(), results, missing)
+
+
+def _evaluate(
+    backend: Backend,
+    population: ClientPopulation,
+    server_round: int,
+    chosen: dict[str, RoundConfig],
+    global_state: ModelState,
+) -> tuple[dict[str, EvalResult], list[str]]:
+    """Each chosen client's evaluation of `global_state` on the worker that owns it:
+    (results, the clients left out: no held-out examples or an implausible result)."""
+    shares: list[list[ClientWork]] = [[] for _ in range(backend.num_workers)]
+    for client_id in sorted(chosen):
+        shares[population.index(client_id) % backend.num_workers].append(
+            (client_id, chosen[client_id])
+        )
+    plan = RoundPlan(
+        server_round,
+        tuple(sorted(chosen)),
+        (),
+        tuple(tuple(share) for share in shares),
+        fold_in_workers=False,
+        evaluate=True,
+    )
+    results: dict[str, EvalResult] = {}
+    missing: list[str] = []
+    for event in backend.run_round(plan, global_state):
+        if not isinstance(event, ClientResult):
+            continue
+        if event.rejected is not None:
+            missing.append(event.client_id)
+            continue
+        metrics = dict(event.metrics)
+        loss = metrics.pop("loss")
+        results[event.client_id] = EvalResult(event.num_examples, loss, metrics)
+    return results, missing

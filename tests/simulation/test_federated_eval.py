@@ -161,3 +161,41 @@ def test_clients_that_drop_out_of_a_secure_evaluation_are_left_out_of_its_totals
     assert len(record["eval_missing"]) == 2
     plain = sum(r.num_examples * r.metrics["accuracy"] for r in kept) / n
     assert abs(record["accuracy"] - plain) <= unmasked.quantizer.mean_error_bound(6, n)
+
+
+def test_cross_site_validation_evaluates_the_final_model_at_every_client(make_config, tmp_path):
+    from fedtrain.evaluation import CROSS_SITE_FILE
+    from fedtrain.observability import report
+
+    config = make_config(
+        task_options=NO_TEST_SET,
+        num_clients=4,
+        rounds=2,
+        eval_fraction=0.25,
+        backend="inline",
+        partition={"kind": "quantity", "alpha": 1.0},
+        strategy={"min_fit_clients": 2, "fraction_evaluate": 0.5},
+        cross_site_validation=True,
+    )
+    result = run_simulation(config)
+    matrix = json.loads((Path(config.run_dir) / CROSS_SITE_FILE).read_text())
+    assert matrix["round"] == 2 and list(matrix["models"]) == ["global"]
+    row = matrix["models"]["global"]
+    assert row["model_version"] == result.model.digest() and row["missing"] == []
+    assert sorted(row["sites"]) == [f"client-{i}" for i in range(4)]
+    # the last round's evaluation asked half the clients: the same model, the same figures
+    last = result.history[-1]["site_metrics"]
+    assert len(last) == 2
+    for client, figures in last.items():
+        assert row["sites"][client] == figures
+    assert report.CROSS_SITE_FILE == CROSS_SITE_FILE
+    page = report.write_report(config.run_dir)
+    assert (page.parent / "cross_site.png").stat().st_size > 0
+    assert "cross_site.png" in page.read_text()
+
+
+def test_cross_site_validation_is_refused_under_secure_aggregation(make_config):
+    from fedtrain.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cross_site_validation = true cannot run with secure"):
+        make_config(cross_site_validation=True, secagg=True, strategy={"min_fit_clients": 2})

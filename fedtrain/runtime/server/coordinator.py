@@ -26,7 +26,9 @@ import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.evaluation import (
+    CROSS_SITE_FILE,
     EVALUATE_CAPABILITY,
+    cross_site_matrix,
     eval_metrics,
     evaluation_due,
     federated_record,
@@ -55,7 +57,7 @@ from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.strategy.aggregate import Aggregator
-from fedtrain.task import Task, TaskContext, model_for, resolve_device, task_fingerprint
+from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device, task_fingerprint
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
@@ -575,6 +577,32 @@ class Coordinator:
             return federated_record({}, {}, [], per_site=False)
         if self.secagg is not None:
             return self._secure_evaluation(server_round, plan)
+        results, missing = self._collect_evaluations(server_round, model, plan)
+        ordered = sorted(results.items())
+        aggregated = (
+            self.strategy.aggregate_evaluate(
+                server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+            )
+            if results
+            else {}
+        )
+        log.info(
+            "round %d: %d of %d site(s) evaluated model %s: %s",
+            server_round,
+            len(results),
+            len(plan),
+            model.version[:12],
+            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
+        )
+        return federated_record(
+            aggregated, results, list(missing), per_site=self.config.site_metrics
+        )
+
+    def _collect_evaluations(
+        self, server_round: int, model: GlobalModel, plan: dict[str, RoundConfig]
+    ) -> tuple[dict[str, EvalResult], dict[str, str]]:
+        """Ask `plan`'s sites to evaluate `model` and wait for them (plain evaluation):
+        (each counted site's result, why each other site is missing)."""
         weights = self.config.weights
         state = EvaluationRound(
             server_round,
@@ -597,24 +625,33 @@ class Coordinator:
             log.warning(
                 "round %d: site %r is left out of the evaluation: %s", server_round, site, why
             )
-        ordered = sorted(results.items())
-        aggregated = (
-            self.strategy.aggregate_evaluate(
-                server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
-            )
-            if results
-            else {}
+        return results, missing
+
+    def _cross_site_validation(self) -> None:
+        """The final global model at every site that can evaluate, written to
+        RUN_DIR/cross_site.json (`cross_site_validation`; never under secure aggregation,
+        the config refuses it)."""
+        if not self.config.cross_site_validation or self.secagg is not None:
+            return
+        model = self.global_model
+        able = [s.site for s in self.registry.sessions() if EVALUATE_CAPABILITY in s.capabilities]
+        plan = {site: self.strategy.base_config(model.round) for site in sorted(able)}
+        results, missing = self._collect_evaluations(model.round, model, plan) if plan else ({}, {})
+        path = self.run_dir.write_json(
+            CROSS_SITE_FILE, cross_site_matrix(model.round, model.version, results, missing)
+        )
+        self.audit.record(
+            "cross_site_validation",
+            round=model.round,
+            model_version=model.version,
+            sites=sorted(results),
+            missing=sorted(missing),
         )
         log.info(
-            "round %d: %d of %d site(s) evaluated model %s: %s",
-            server_round,
+            "cross-site validation: the final model at %d of %d site(s), in %s",
             len(results),
             len(plan),
-            model.version[:12],
-            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
-        )
-        return federated_record(
-            aggregated, results, list(missing), per_site=self.config.site_metrics
+            path,
         )
 
     def _secure_evaluation(self, server_round: int, plan: dict[str, RoundConfig]) -> dict[str, Any]:
@@ -759,6 +796,7 @@ class Coordinator:
 
     def _complete(self) -> None:
         self.checkpoints.wait()
+        self._cross_site_validation()
         save_final_model(  # safetensors with the task's names + its card, then model.pt
             self.run_dir,
             self.task,
