@@ -59,6 +59,20 @@ CROSS_SITE_DOC = (
     "RUN_DIR/cross_site.json and drawn as a heat-map by `fedtrain report`. Not with secure "
     "aggregation: it shows the server every site's figures."
 )
+CROSS_SITE_LOCAL_DOC = (
+    "Cross-site validation: also evaluate each consenting site's last local model (the "
+    "model its last update came from) at every site, the NVIDIA FLARE matrix. Ships each "
+    "such model to every other site (see the README's security model); a site consents "
+    "with share_local_model = true in its site.toml. Needs cross_site_validation."
+)
+SHARE_LOCAL_MODEL_DOC = (
+    "Consent to cross-site validation of local models: the server may keep this site's "
+    "last local model and send it to every other site of the federation to evaluate "
+    "(only when the server's cross_site_local_models is on too). A model can reveal "
+    "things about the data it was trained on: see the README's security model."
+)
+#: What a site that consents to its local model being evaluated elsewhere advertises.
+SHARE_LOCAL_MODEL_CAPABILITY = "share_local_model"
 #: The cross-site validation's results in the run directory.
 CROSS_SITE_FILE = "cross_site.json"
 #: What a site that can evaluate (it holds a held-out set) advertises when it joins.
@@ -142,8 +156,13 @@ def federated_record(
     return record
 
 
-def check_cross_site(enabled: bool, secagg: bool) -> None:
+def check_cross_site(enabled: bool, local_models: bool, secagg: bool) -> None:
     """Refuse cross-site validation under secure aggregation when the config is read."""
+    if local_models and not enabled:
+        raise ConfigError(
+            "cross_site_local_models = true needs cross_site_validation = true (the local "
+            "models are evaluated as part of it); set both, or neither"
+        )
     if enabled and secagg:
         raise ConfigError(
             "cross_site_validation = true cannot run with secure aggregation: it records "
@@ -153,15 +172,12 @@ def check_cross_site(enabled: bool, secagg: bool) -> None:
         )
 
 
-def cross_site_matrix(
-    server_round: int,
-    model_version: str,
-    results: Mapping[str, EvalResult],
-    missing: Sequence[str],
+def cross_site_row(
+    model_version: str, results: Mapping[str, EvalResult], missing: Sequence[str]
 ) -> dict[str, Any]:
-    """What RUN_DIR/cross_site.json holds: per model evaluated (the final global one,
-    `models.global`), each site's figures on it and the sites that did not answer."""
-    row = {
+    """One model's row of RUN_DIR/cross_site.json: each site's figures on it, and the
+    sites asked that did not answer."""
+    return {
         "model_version": model_version,
         "sites": {
             site: {"examples": r.num_examples, **eval_metrics(r)}
@@ -169,7 +185,15 @@ def cross_site_matrix(
         },
         "missing": sorted(missing),
     }
-    return {"round": server_round, "models": {"global": row}}
+
+
+def cross_site_matrix(
+    server_round: int, rows: Mapping[str, dict[str, Any]], withheld: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What RUN_DIR/cross_site.json holds: a row per model evaluated, `global` (the
+    final global model) first, then each consenting site's local model under its name;
+    `withheld`: sites whose local model was not shared (no consent, or none kept)."""
+    return {"round": server_round, "models": dict(rows), "withheld": sorted(withheld)}
 
 
 def secure_record(

@@ -209,8 +209,9 @@ def plot_cross_site(matrix: dict[str, Any], out: Path) -> Path | None:
             text = "no answer" if np.isnan(values[i, j]) else f"{values[i, j]:.3f}"
             ax.text(j, i, text, ha="center", va="center", fontsize="small")
     ax.set_xticks(range(len(sites)), sites, rotation=30, ha="right")
-    ax.set_yticks(range(len(names)), [f"{n} model" for n in names])
-    ax.set_xlabel("evaluated at site (its held-out data)")
+    labels = ["global model" if n == "global" else f"{n}'s local model" for n in names]
+    ax.set_yticks(range(len(names)), labels)
+    ax.set_xlabel("evaluated at site (on its held-out data)")
     ax.set_title(f"Cross-site validation after round {matrix.get('round', '?')}: {key}")
     fig.colorbar(image, ax=ax, label=key)
     fig.tight_layout()

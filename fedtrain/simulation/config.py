@@ -244,7 +244,11 @@ class SimConfig:
             )
         check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
-        check_cross_site(self.cross_site_validation, self.secagg.enabled)
+        check_cross_site(
+            self.cross_site_validation,
+            False,  # local models: deployments only
+            self.secagg.enabled,
+        )
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")
 

@@ -22,6 +22,7 @@ import numpy as np
 from fedtrain.errors import ConfigError
 from fedtrain.evaluation import (
     cross_site_matrix,
+    cross_site_row,
     eval_metrics,
     federated_record,
     secure_record,
@@ -120,7 +121,8 @@ def cross_site_validation(
     config = strategy.base_config(server_round)
     chosen = {client: dict(config) for client in population.ids}
     results, missing = _evaluate(backend, population, server_round, chosen, global_state)
-    return cross_site_matrix(server_round, global_state.digest(), results, missing)
+    row = cross_site_row(global_state.digest(), results, missing)
+    return cross_site_matrix(server_round, {"global": row})
 
 
 def _evaluate(

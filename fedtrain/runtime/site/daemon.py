@@ -42,7 +42,11 @@ from fedtrain.errors import (
     SecAggError,
     WorkerGroupError,
 )
-from fedtrain.evaluation import EVALUATE_CAPABILITY, check_eval_result
+from fedtrain.evaluation import (
+    EVALUATE_CAPABILITY,
+    SHARE_LOCAL_MODEL_CAPABILITY,
+    check_eval_result,
+)
 from fedtrain.parallel import TorchrunGroup
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
@@ -311,10 +315,12 @@ class SiteDaemon:
     @property
     def capabilities(self) -> tuple[str, ...]:
         """What this site tells the server it can do; `evaluate` only with a held-out set
-        in this process (a worker-group site does not evaluate yet)."""
+        in this process (a worker-group site does not evaluate yet); `share_local_model`
+        when it consents to cross-site validation of its local model."""
+        consent = (SHARE_LOCAL_MODEL_CAPABILITY,) if self.config.share_local_model else ()
         if self.eval_data is None or self.group is not None:
-            return CAPABILITIES
-        return (*CAPABILITIES, EVALUATE_CAPABILITY)
+            return (*CAPABILITIES, *consent)
+        return (*CAPABILITIES, EVALUATE_CAPABILITY, *consent)
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
