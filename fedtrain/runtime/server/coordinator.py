@@ -874,34 +874,23 @@ class Coordinator:
 
     # -- events from the servicer ----------------------------------------------------------
     def _on_leave(self, session: Session, reason: str) -> None:
-        secure = self.secure_evaluation
-        if secure is not None and secure.settle(session.site, f"left ({reason})"):
-            log.warning(
-                "site %r left during round %d's secure evaluation (%s)",
-                session.site,
-                secure.round,
-                reason,
-            )
-        evaluation = self.evaluation
-        if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
-            log.warning(
-                "site %r left during round %d's evaluation (%s)",
-                session.site,
-                evaluation.round,
-                reason,
-            )
+        for evaluation in (self.secure_evaluation, self.evaluation):
+            if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
+                log.warning(
+                    "site %r left during round %d's evaluation (%s)",
+                    session.site,
+                    evaluation.round,
+                    reason,
+                )
         state = self.current
         if state is not None and state.settle(session, Outcome.DROPPED):
             log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update (or evaluation)."""
-        secure = self.secure_evaluation
-        if secure is not None and secure.round == server_round:
-            secure.settle(session.site, f"failed: {message}")
-        evaluation = self.evaluation
-        if evaluation is not None and evaluation.round == server_round:
-            evaluation.settle(session.site, f"failed: {message}")
+        for evaluation in (self.secure_evaluation, self.evaluation):
+            if evaluation is not None and evaluation.round == server_round:
+                evaluation.settle(session.site, f"failed: {message}")
         state = self.current
         if isinstance(state, BufferedRounds):
             state.job_failed(session, server_round)

@@ -433,24 +433,10 @@ class SiteDaemon:
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
         """Hand an instruction to the trainer; a newer one replaces one not yet started."""
-        if instruction.kind == pb.EVALUATE and EVALUATE_CAPABILITY in self.capabilities:
-            if instruction.secagg:
-                self.secagg.expect(instruction)  # its stage messages follow on this stream
-            elif self.config.require_secagg:
-                refusal = (
-                    f"round {instruction.round}: the server asks for a plain evaluation "
-                    "report, but this site requires secure aggregation (require_secagg = "
-                    "true), and its evaluation metrics would reach the server unmasked; "
-                    "refusing to evaluate"
-                )
-                log.error("%s", refusal)
-                link.report(instruction.round, refusal)
-                return
-            with self._job_ready:
-                self._job = (link, instruction)
-                self._job_ready.notify()
-            return
-        if instruction.kind != pb.TRAIN:
+        evaluate = instruction.kind == pb.EVALUATE
+        if not (
+            instruction.kind == pb.TRAIN or (evaluate and EVALUATE_CAPABILITY in self.capabilities)
+        ):
             log.warning(
                 "ignoring a %s instruction (this site does not do it)",
                 pb.InstructionKind.Name(instruction.kind),
@@ -459,9 +445,14 @@ class SiteDaemon:
         if instruction.secagg:
             self.secagg.expect(instruction)  # its stage messages follow on this stream
         elif self.config.require_secagg:
+            asked, refused = (
+                ("a plain evaluation report", "evaluate")
+                if evaluate
+                else ("a plain update", "train")
+            )
             refusal = (
-                f"round {instruction.round}: the server asks for a plain update, but this site "
-                "requires secure aggregation (require_secagg = true); refusing to train"
+                f"round {instruction.round}: the server asks for {asked}, but this site "
+                f"requires secure aggregation (require_secagg = true); refusing to {refused}"
             )
             log.error("%s", refusal)
             link.report(instruction.round, refusal)
