@@ -117,15 +117,8 @@ class SecureEvaluation:
     def settle(self, site: str, why: str) -> bool:
         """`site` is gone (left, failed): a dropout at the current stage."""
         with self._cond:
-            if (
-                site not in self.plan
-                or site in self._left
-                or self.masked.server.stage
-                in (
-                    Stage.DONE,
-                    Stage.FAILED,
-                )
-            ):
+            over = self.masked.server.stage in (Stage.DONE, Stage.FAILED)
+            if over or site not in self.plan or site in self._left:
                 return False
             self._left[site] = why
             self._cond.notify_all()
