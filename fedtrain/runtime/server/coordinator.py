@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,11 +26,7 @@ import numpy as np
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.evaluation import (
-    CROSS_SITE_FILE,
     EVALUATE_CAPABILITY,
-    SHARE_LOCAL_MODEL_CAPABILITY,
-    cross_site_matrix,
-    cross_site_row,
     eval_metrics,
     evaluation_due,
     federated_record,
@@ -48,6 +44,7 @@ from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_record
+from fedtrain.runtime.server.cross_site import LocalModels, cross_site_validation
 from fedtrain.runtime.server.evaluation_round import EvaluationRound
 from fedtrain.runtime.server.faults import fault_point
 from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
@@ -58,7 +55,7 @@ from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct,
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
-from fedtrain.strategy.aggregate import Aggregator, apply_mean_delta
+from fedtrain.strategy.aggregate import Aggregator
 from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device, task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -141,11 +138,8 @@ class Coordinator:
         self.evaluation: EvaluationRound | None = None
         #: The secure federated evaluation in progress (stage messages go to it), or None.
         self.secure_evaluation: SecureEvaluation | None = None
-        #: Each consenting site's last local model (`cross_site_local_models`), in memory
-        #: only: the model its last counted update came from.
-        self.local_models: dict[str, GlobalModel] = {}
-        #: Set while cross-site validation serves local models for download.
-        self._serving_local = False
+        #: Each consenting site's last local model (`cross_site_local_models`).
+        self.local_models = LocalModels(config.cross_site_local_models)
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
         self.last_metrics: dict[str, Any] = {}
@@ -386,7 +380,7 @@ class Coordinator:
         }
         state: RoundState
         if self.secagg is None or self.layout is None:
-            state = RoundState(**common, keep_updates=self._consenting(sessions))
+            state = RoundState(**common, keep_updates=self.local_models.consenting(sessions))
         else:
             state = SecureRoundState(
                 **common,
@@ -436,25 +430,6 @@ class Coordinator:
             state.start()  # key agreement runs while the sites download and train
         return state
 
-    def _consenting(self, sessions: Mapping[str, Session | None]) -> frozenset[str]:
-        """The sites whose update is kept for cross-site validation of local models."""
-        if not self.config.cross_site_local_models:
-            return frozenset()
-        return frozenset(
-            site
-            for site, session in sessions.items()
-            if session is not None and SHARE_LOCAL_MODEL_CAPABILITY in session.capabilities
-        )
-
-    def _keep_local_models(self, state: RoundState) -> None:
-        """Each kept update as the local model it came from (global + its delta): the
-        site's last local model, replacing one from an earlier round."""
-        base = self.global_model.state
-        for site, delta in sorted(state.local_updates.items()):
-            local = apply_mean_delta(base, delta, consume=True)
-            self.local_models[site] = GlobalModel(state.round, new_model_version(), local)
-        state.local_updates.clear()
-
     def _needed(self, selected: int) -> int:
         """Updates a round of `selected` sites needs to count."""
         return max(1, self.strategy.min_results(selected))
@@ -475,7 +450,7 @@ class Coordinator:
         server_round = state.round
         outcome: dict[str, Any]
         if usable:
-            self._keep_local_models(state)
+            self.local_models.keep(self.global_model.state, state)
             new_state = self.finalize(server_round, state.aggregate)
             outcome = {
                 **self.strategy.aggregate_metrics(summary.results),
@@ -655,49 +630,21 @@ class Coordinator:
         return results, missing
 
     def _cross_site_validation(self) -> None:
-        """The final global model, and with `cross_site_local_models` each consenting
-        site's last local model, at every site that can evaluate, written to
-        RUN_DIR/cross_site.json (`cross_site_validation`; never under secure
-        aggregation, the config refuses it)."""
+        """`cross_site.py` after the last round (`cross_site_validation`; never under
+        secure aggregation, the config refuses it)."""
         if not self.config.cross_site_validation or self.secagg is not None:
             return
         model = self.global_model
-        able = [s.site for s in self.registry.sessions() if EVALUATE_CAPABILITY in s.capabilities]
-        plan = {site: self.strategy.base_config(model.round) for site in sorted(able)}
-        models = {"global": model, **dict(sorted(self.local_models.items()))}
-        rows = {}
-        self._serving_local = True
-        try:
-            for name, candidate in models.items():
-                if name != "global":
-                    self.audit.record(
-                        "local_model_shared",
-                        site=name,
-                        round=candidate.round,
-                        model_version=candidate.version,
-                        to=sorted(plan),
-                    )
-                results, missing = (
-                    self._collect_evaluations(model.round, candidate, plan) if plan else ({}, {})
-                )
-                rows[name] = cross_site_row(candidate.version, results, missing)
-        finally:
-            self._serving_local = False
-        withheld: set[str] = set()
-        if self.config.cross_site_local_models:  # connected, and no local model of theirs
-            withheld = {s.site for s in self.registry.sessions()} - set(self.local_models)
-        path = self.run_dir.write_json(
-            CROSS_SITE_FILE, cross_site_matrix(model.round, rows, sorted(withheld))
-        )
-        self.audit.record(
-            "cross_site_validation",
-            round=model.round,
-            model_version=model.version,
-            models=list(rows),
-            sites=sorted(plan),
-        )
-        log.info(
-            "cross-site validation: %d model(s) at %d site(s), in %s", len(rows), len(plan), path
+        sessions = self.registry.sessions()
+        able = sorted(s.site for s in sessions if EVALUATE_CAPABILITY in s.capabilities)
+        cross_site_validation(
+            model,
+            {site: self.strategy.base_config(model.round) for site in able},
+            self.local_models,
+            lambda candidate, plan: self._collect_evaluations(model.round, candidate, plan),
+            connected={s.site for s in sessions},
+            audit=self.audit,
+            run_dir=self.run_dir,
         )
 
     def _secure_evaluation(self, server_round: int, plan: dict[str, RoundConfig]) -> dict[str, Any]:
@@ -904,8 +851,7 @@ class Coordinator:
         if isinstance(state, BufferedRounds):
             return state.model_for(session, version)
         model = self.global_model
-        if self._serving_local:
-            for local in self.local_models.values():
-                if version == local.version:
-                    return local
+        local = self.local_models.for_download(version)
+        if local is not None:
+            return local
         return model if not version or version == model.version else None
