@@ -110,7 +110,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("finished (no evaluation)")
         return 0
     sites = final.get("eval_sites")
-    print(f"final accuracy: {final['accuracy']:.4f} (federated: {sites} sites' held-out data)")
+    how = "federated, secure" if final.get("eval_secure") else "federated"
+    print(f"final accuracy: {final['accuracy']:.4f} ({how}: {sites} sites' held-out data)")
     if final.get("worst_accuracy") is not None:
         print(f"worst site: {final['worst_site']}, accuracy {final['worst_accuracy']:.4f}")
     return 0

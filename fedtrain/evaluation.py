@@ -15,6 +15,14 @@ so an operator sees where the model is good, not only its mean.
 - `sites`: only at the sites, even if a test set exists (it is then never loaded);
 - `off`: never.
 
+Under secure aggregation an evaluation at the sites is secure too
+(`fedtrain.secagg.evaluation`): the sites' loss sums, correct counts and example
+counts are masked like their updates, so the server learns only the federation's
+totals: no `site_metrics`, no `worst_site`, whatever `site_metrics` says. No plain
+per-site option remains under secure aggregation: a site's metrics say as much
+about its data as its update would, and a site that requires secure aggregation
+refuses a plain evaluation.
+
 This module is core: the runtime and the simulation both build their records with
 it, so the keys mean the same in every driver.
 """
@@ -26,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedtrain.errors import ConfigError
+from fedtrain.secagg.evaluation import EvalTotals
 from fedtrain.task import EvalResult
 
 EvaluateAt = Literal["auto", "server", "sites", "off"]
@@ -35,13 +44,37 @@ EVALUATE_DOC = (
     "virtual clients); `server` on the "
     "test set only; `sites` at the sites only (federated evaluation: each chosen site "
     "evaluates on its held-out data; the record's loss/accuracy are the example-weighted "
-    "means, with each site's values in `site_metrics`); `off`."
+    "means, with each site's values in `site_metrics`; under secure aggregation only the "
+    "federation's totals, masked like the updates); `off`."
 )
 SITE_METRICS_DOC = (
     "Federated evaluation: write each site's (virtual client's) evaluation metrics "
     "(`site_metrics`, `worst_site`) to metrics.jsonl; false: only the federation's "
-    "means (a deployment's server still receives each site's figures)."
+    "means (a deployment's server still receives each site's figures). Off under "
+    "secure aggregation: the server then never learns a site's figures."
 )
+CROSS_SITE_DOC = (
+    "Cross-site validation at the end of the run: the final global model evaluated at "
+    "every site (virtual client) holding a held-out set, each site's figures written to "
+    "RUN_DIR/cross_site.json and drawn as a heat-map by `fedtrain report`. Not with secure "
+    "aggregation: it shows the server every site's figures."
+)
+CROSS_SITE_LOCAL_DOC = (
+    "Cross-site validation: also evaluate each consenting site's last local model (the "
+    "model its last update came from) at every site, the NVIDIA FLARE matrix. Ships each "
+    "such model to every other site (see the README's security model); a site consents "
+    "with share_local_model = true in its site.toml. Needs cross_site_validation."
+)
+SHARE_LOCAL_MODEL_DOC = (
+    "Consent to cross-site validation of local models: the server may keep this site's "
+    "last local model and send it to every other site of the federation to evaluate "
+    "(only when the server's cross_site_local_models is on too). A model can reveal "
+    "things about the data it was trained on: see the README's security model."
+)
+#: What a site that consents to its local model being evaluated elsewhere advertises.
+SHARE_LOCAL_MODEL_CAPABILITY = "share_local_model"
+#: The cross-site validation's results in the run directory.
+CROSS_SITE_FILE = "cross_site.json"
 #: What a site that can evaluate (it holds a held-out set) advertises when it joins.
 EVALUATE_CAPABILITY = "evaluate"
 
@@ -121,6 +154,63 @@ def federated_record(
         record["worst_accuracy"] = results[worst].metrics.get("accuracy")
         record["worst_loss"] = results[worst].loss
     return record
+
+
+def check_cross_site(enabled: bool, local_models: bool, secagg: bool) -> None:
+    """Refuse cross-site validation under secure aggregation when the config is read."""
+    if local_models and not enabled:
+        raise ConfigError(
+            "cross_site_local_models = true needs cross_site_validation = true (the local "
+            "models are evaluated as part of it); set both, or neither"
+        )
+    if enabled and secagg:
+        raise ConfigError(
+            "cross_site_validation = true cannot run with secure aggregation: it records "
+            "every site's evaluation of the final model, which secure aggregation keeps from "
+            "the server. Turn one of them off (cross_site_validation = false, or "
+            "secagg.enabled = false)"
+        )
+
+
+def cross_site_row(
+    model_version: str, results: Mapping[str, EvalResult], missing: Sequence[str]
+) -> dict[str, Any]:
+    """One model's row of RUN_DIR/cross_site.json: each site's figures on it, and the
+    sites asked that did not answer."""
+    return {
+        "model_version": model_version,
+        "sites": {
+            site: {"examples": r.num_examples, **eval_metrics(r)}
+            for site, r in sorted(results.items())
+        },
+        "missing": sorted(missing),
+    }
+
+
+def cross_site_matrix(
+    server_round: int, rows: Mapping[str, dict[str, Any]], withheld: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What RUN_DIR/cross_site.json holds: a row per model evaluated, `global` (the
+    final global model) first, then each consenting site's local model under its name;
+    `withheld`: sites whose local model was not shared (no consent, or none kept)."""
+    return {"round": server_round, "models": dict(rows), "withheld": sorted(withheld)}
+
+
+def secure_record(
+    aggregated: Mapping[str, float], totals: EvalTotals | None, missing: Sequence[str]
+) -> dict[str, Any]:
+    """The record's evaluation keys for a secure federated evaluation: the federation's
+    totals only (`eval_secure`); `totals` None when the exchange failed (`missing`:
+    every site asked that is not in the sum)."""
+    return {
+        "loss": aggregated.get("loss"),
+        "accuracy": aggregated.get("accuracy"),
+        "eval_source": "sites",
+        "eval_secure": True,
+        "eval_examples": totals.num_examples if totals is not None else 0,
+        "eval_sites": totals.sites if totals is not None else 0,
+        "eval_missing": sorted(missing),
+    }
 
 
 def worst_site(results: Mapping[str, EvalResult]) -> str | None:

@@ -80,6 +80,13 @@ class RunDir:
         text = json.dumps(config, indent=2, sort_keys=True, default=str).encode()
         atomic_write(self.path / "config.json", lambda f: f.write(text))
 
+    def write_json(self, name: str, data: Mapping[str, Any]) -> Path:
+        """RUN_DIR/`name`, written atomically (e.g. the cross-site validation)."""
+        text = json.dumps(data, indent=2, sort_keys=True).encode()
+        path = self.path / name
+        atomic_write(path, lambda f: f.write(text))
+        return path
+
     def log_metrics(self, record: Mapping[str, Any]) -> None:
         """Append one round's line (append + flush: a crash loses at most that line)."""
         with self.metrics_path.open("a", encoding="utf-8") as f:

@@ -5,7 +5,8 @@ Reads only what every run writes (`metrics.jsonl`, `config.json`) plus the runti
 Plots: accuracy and loss per round (on the server's test set, or the federation's
 example-weighted mean when the sites evaluated), each site's own accuracy per round
 (federated evaluation: which site lags, and since when), bytes per round, per-site
-participation (from the audit log), and privacy epsilon when DP was on.
+participation (from the audit log), privacy epsilon when DP was on, and the
+cross-site validation's heat-map (`cross_site.json`) when the run made one.
 
 Fast to start: neither torch (a report reads JSON) nor pyplot (figures are drawn
 with matplotlib's object API straight to the Agg canvas, so no GUI backend is looked
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 AUDIT = "audit.jsonl"
+CROSS_SITE_FILE = "cross_site.json"  # fedtrain.evaluation's, which imports torch
 
 
 def _series(metrics: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -173,6 +175,50 @@ def plot_participation(audit: Sequence[dict[str, Any]], out: Path) -> Path | Non
     return out
 
 
+def plot_cross_site(matrix: dict[str, Any], out: Path) -> Path | None:
+    """The cross-site validation (`cross_site.json`) as a heat-map: a row per model
+    evaluated, a column per site, each cell its accuracy (its loss when the task
+    reports none), written in the cell; sites that did not answer are left blank."""
+    models = matrix.get("models") or {}
+    sites = sorted({s for row in models.values() for s in (*row["sites"], *row["missing"])})
+    if not models or not sites:
+        return None
+    names = list(models)
+    key = "accuracy"
+    if not all("accuracy" in m for row in models.values() for m in row["sites"].values()):
+        key = "loss"
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    log.info("plotting %s", out.name)
+    values = np.full((len(names), len(sites)), np.nan)
+    for i, name in enumerate(names):
+        for j, site in enumerate(sites):
+            cell = models[name]["sites"].get(site)
+            if cell is not None:
+                values[i, j] = cell[key]
+    fig = Figure(figsize=(max(5.0, 1.0 + 0.9 * len(sites)), 1.6 + 0.6 * len(names)), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    cmap = "RdYlGn" if key == "accuracy" else "RdYlGn_r"
+    limits = {"vmin": 0.0, "vmax": 1.0} if key == "accuracy" else {}
+    image = ax.imshow(values, cmap=cmap, aspect="auto", **limits)
+    for i in range(len(names)):
+        for j in range(len(sites)):
+            text = "no answer" if np.isnan(values[i, j]) else f"{values[i, j]:.3f}"
+            ax.text(j, i, text, ha="center", va="center", fontsize="small")
+    ax.set_xticks(range(len(sites)), sites, rotation=30, ha="right")
+    labels = ["global model" if n == "global" else f"{n}'s local model" for n in names]
+    ax.set_yticks(range(len(names)), labels)
+    ax.set_xlabel("evaluated at site (on its held-out data)")
+    ax.set_title(f"Cross-site validation after round {matrix.get('round', '?')}: {key}")
+    fig.colorbar(image, ax=ax, label=key)
+    fig.tight_layout()
+    fig.savefig(out)
+    return out
+
+
 def write_report(run_path: str | Path) -> Path:
     """Write `report/` inside the run directory; returns the HTML file's path."""
     run = Path(run_path)
@@ -193,6 +239,8 @@ def write_report(run_path: str | Path) -> Path:
     )
     config_path = run / "config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    cross_path = run / CROSS_SITE_FILE
+    cross_site = json.loads(cross_path.read_text()) if cross_path.exists() else None
     out = run / "report"
     out.mkdir(exist_ok=True)
     plots = [
@@ -203,6 +251,7 @@ def write_report(run_path: str | Path) -> Path:
             plot_bytes(metrics, out / "bytes.png"),
             plot_participation(audit, out / "participation.png"),
             plot_epsilon(metrics, out / "epsilon.png"),
+            plot_cross_site(cross_site, out / "cross_site.png") if cross_site else None,
         )
         if p is not None
     ]
@@ -229,7 +278,8 @@ def _html(
     evaluated = [m for m in metrics if m.get("accuracy") is not None]
     if evaluated and evaluated[-1].get("eval_source") == "sites":
         final = evaluated[-1]
-        facts["final accuracy"] += f" (federated: {final.get('eval_sites', '?')} sites)"
+        how = "federated, secure" if final.get("eval_secure") else "federated"
+        facts["final accuracy"] += f" ({how}: {final.get('eval_sites', '?')} sites)"
         if final.get("worst_accuracy") is not None:
             facts["worst site"] = f"{final['worst_site']}: accuracy {final['worst_accuracy']:.4f}"
     if last.get("epsilon") is not None:

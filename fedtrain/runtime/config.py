@@ -15,7 +15,15 @@ from fedtrain.compression.downlink import DOWNLOAD_CODECS
 from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
+from fedtrain.evaluation import (
+    CROSS_SITE_DOC,
+    CROSS_SITE_LOCAL_DOC,
+    EVALUATE_DOC,
+    SHARE_LOCAL_MODEL_DOC,
+    SITE_METRICS_DOC,
+    EvaluateAt,
+    check_cross_site,
+)
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
@@ -171,6 +179,8 @@ class ServerConfig:
         "round's evaluation, which never fails the round.",
     )
     site_metrics: bool = option(True, SITE_METRICS_DOC)
+    cross_site_validation: bool = option(False, CROSS_SITE_DOC)
+    cross_site_local_models: bool = option(False, CROSS_SITE_LOCAL_DOC)
     round_timeout_s: float = option(
         600.0, "Deadline of a round; the round closes with the updates received by then."
     )
@@ -287,6 +297,9 @@ class ServerConfig:
                 )
         check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
+        check_cross_site(
+            self.cross_site_validation, self.cross_site_local_models, self.secagg.enabled
+        )
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients)
 
@@ -441,6 +454,7 @@ class SiteConfig:
         "Train only for a server that runs secure aggregation: this site's update then "
         "never leaves it unmasked, and it refuses any other server or instruction.",
     )
+    share_local_model: bool = option(False, SHARE_LOCAL_MODEL_DOC)
     require_consistency_check: bool = option(
         True,
         "With TLS, take part in a secure round only if the server runs the consistency "

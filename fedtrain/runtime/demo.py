@@ -11,10 +11,11 @@ display. Every process is stopped on the way out, whatever happens (including Ct
 
 The server holds no data: each site holds out a fifth of its digits, and every round
 the sites evaluate the new global model on them (federated evaluation,
-`evaluate = "sites"`); the server records the federation's example-weighted accuracy
-and each site's, so the demo ends with both the final accuracy and the worst site's.
-Under secure aggregation those evaluation metrics (never an update) reach the server
-in the clear: the demo opts in to that explicitly.
+`evaluate = "sites"`). Under secure aggregation the evaluation is secure too: the
+sites' loss sums, correct counts and example counts are masked like their updates,
+so the server records the federation's accuracy and nothing per site, and the demo
+ends with the final federated accuracy. Without secure aggregation (`--no-secagg`)
+the server also records each site's accuracy, and the demo names the worst site.
 
 A site that dies mid-round is a dropout: secure aggregation over four sites tolerates
 one, and the round completes with the other three (`min_fit_clients = 3`). The demo
@@ -160,7 +161,8 @@ def write_deployment(
                 "rounds": rounds,
                 "round_timeout_s": 120.0,
                 "allowed_sites": names,
-                "evaluate": "sites",  # the server holds no test set: the sites evaluate
+                # the server holds no test set: the sites evaluate (securely under secagg)
+                "evaluate": "sites",
                 "client": DIGITS["client"],
                 # Every round starts with all four sites (min_available_clients) and
                 # completes with three if one drops out on the way (min_fit_clients).

@@ -16,6 +16,7 @@ from fedtrain.config import option, section
 from fedtrain.errors import ConfigError, SecAggError
 from fedtrain.privacy.distributed import DistributedDPSettings
 from fedtrain.secagg.config import SecAggConfig
+from fedtrain.secagg.evaluation import evaluation_protocol
 from fedtrain.strategy import STRATEGIES
 
 
@@ -31,6 +32,13 @@ class SecAggSettings:
         1.0,
         "Each update value is clipped to [-clip, clip] before quantization: set it above "
         "your updates' largest values (the quantization step grows with it).",
+    )
+    eval_clip: float = option(
+        10.0,
+        "Secure evaluation: each site's mean loss and accuracy are clipped to "
+        "[-eval_clip, eval_clip] before they are masked (a loss above it counts as "
+        "eval_clip; the site warns). The error of the federation's mean is below "
+        "sites * 2 * eval_clip * max_weight / (2^bits - 1) / examples.",
     )
     bits: int = option(
         0,
@@ -92,6 +100,7 @@ class SecAggSettings:
             protocol = self.protocol()
         except SecAggError as exc:
             raise ConfigError(f"secagg: {exc}") from None
+        self.evaluation_protocol()
         if self.privacy.enabled:
             if not self.enabled:
                 raise ConfigError(
@@ -126,6 +135,13 @@ class SecAggSettings:
             consistency_check=self.consistency_check,
             **(self.privacy.build().protocol_fields() if self.privacy.enabled else {}),
         )
+
+    def evaluation_protocol(self) -> SecAggConfig:
+        """The protocol configuration of a secure evaluation (validated)."""
+        try:
+            return evaluation_protocol(self.protocol(), self.eval_clip)
+        except SecAggError as exc:
+            raise ConfigError(f"secagg.eval_clip = {self.eval_clip}: {exc}") from None
 
     def check_rounds(self, strategy: str, min_fit_clients: int, who: str = "sites") -> None:
         """What secure aggregation needs from the rest of a config, refused up front.

@@ -8,7 +8,13 @@ from typing import Any, Literal
 from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
+from fedtrain.evaluation import (
+    CROSS_SITE_DOC,
+    EVALUATE_DOC,
+    SITE_METRICS_DOC,
+    EvaluateAt,
+    check_cross_site,
+)
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC
 from fedtrain.secagg.settings import SecAggSettings
@@ -194,6 +200,7 @@ class SimConfig:
         "sites); 0: none, unless the task's client_test_data gives one (Flower clients).",
     )
     site_metrics: bool = option(True, SITE_METRICS_DOC)
+    cross_site_validation: bool = option(False, CROSS_SITE_DOC)
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
@@ -242,6 +249,11 @@ class SimConfig:
             )
         check_schedules(self.client, self.client_schedule)
         self.compression.check_secagg(self.secagg.enabled)
+        check_cross_site(
+            self.cross_site_validation,
+            False,  # local models: deployments only
+            self.secagg.enabled,
+        )
         if self.secagg.enabled:
             self.secagg.check_rounds(self.strategy.name, self.strategy.min_fit_clients, "clients")
 

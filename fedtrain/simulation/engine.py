@@ -20,12 +20,16 @@ from torch.utils.data import Dataset
 
 from fedtrain.compression.downlink import SiteModels
 from fedtrain.compression.settings import DownloadSettings
-from fedtrain.evaluation import evaluation_due, server_record
+from fedtrain.evaluation import CROSS_SITE_FILE, evaluation_due, server_record
 from fedtrain.observability.observers import observing
 from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
-from fedtrain.simulation.federated_eval import evaluate_clients, where_to_evaluate_sim
+from fedtrain.simulation.federated_eval import (
+    cross_site_validation,
+    evaluate_clients,
+    where_to_evaluate_sim,
+)
 from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.plan import RoundPlan, plan_round
 from fedtrain.simulation.population import ClientPopulation
@@ -137,12 +141,18 @@ def _run_rounds(
                             sites.model(str(published), global_state),  # as sites decode it
                             eval_rng,
                             per_site=config.site_metrics,
+                            secure=secure,
                         )
                     )
             record["seconds"] = time.perf_counter() - start
             run_dir.log_metrics(record)
             result.history.append(record)
             on_round(record)
+        if config.cross_site_validation:
+            matrix = cross_site_validation(
+                backend, strategy, population, config.rounds, global_state
+            )
+            run_dir.write_json(CROSS_SITE_FILE, matrix)
     finish(config, task, run_dir, global_state, result.history)
     result.model = global_state
     return result

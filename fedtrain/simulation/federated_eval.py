@@ -6,6 +6,10 @@ evaluate on the workers that own them, through the backend's ordinary round path
 (an evaluation `RoundPlan`), on their held-out data: a seeded `eval_fraction` of
 each client's share, or what the task's `client_test_data` gives (a Flower client's
 own evaluation). Heterogeneity's dropouts do not apply to evaluation.
+
+Under secure aggregation the clients' evaluations are summed by a SecAgg+ exchange
+(`SecureAggregation.evaluate`, with `secagg.stage_dropouts` as in training rounds)
+and the record carries the federation's totals only, as in a deployment.
 """
 
 from __future__ import annotations
@@ -16,13 +20,21 @@ from typing import Any, Literal
 import numpy as np
 
 from fedtrain.errors import ConfigError
-from fedtrain.evaluation import eval_metrics, federated_record, where_to_evaluate
+from fedtrain.evaluation import (
+    cross_site_matrix,
+    cross_site_row,
+    eval_metrics,
+    federated_record,
+    secure_record,
+    where_to_evaluate,
+)
 from fedtrain.simulation.backends import Backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
-from fedtrain.strategy import Strategy
+from fedtrain.simulation.secure import SecureAggregation
+from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.task import EvalResult
 from fedtrain.tensors import ModelState
 
@@ -33,9 +45,7 @@ def where_to_evaluate_sim(
     config: SimConfig, strategy: Strategy, has_test_set: bool, clients_hold_out: bool
 ) -> Literal["server", "sites", "off"]:
     """`config.evaluate` resolved for this run, as a deployment's server resolves it:
-    under secure aggregation `auto` never evaluates at the clients (their metrics
-    would be seen in the clear), and asynchronous strategies evaluate on the test
-    set only."""
+    asynchronous strategies evaluate on the test set only."""
     where = where_to_evaluate(config.evaluate, has_test_set)
     if where != "sites":
         return where
@@ -45,12 +55,6 @@ def where_to_evaluate_sim(
                 f"evaluate = 'sites' is not supported with the asynchronous strategy "
                 f"{strategy.name!r} yet; evaluate on the task's test set (evaluate = 'server')"
             )
-        return "off"
-    if config.secagg.enabled and config.evaluate == "auto":
-        log.warning(
-            "the task has no test set, and under secure aggregation clients evaluate only "
-            "with evaluate = 'sites' (their metrics are then seen in the clear): no evaluation"
-        )
         return "off"
     if not clients_hold_out:
         log.warning(
@@ -70,11 +74,66 @@ def evaluate_clients(
     rng: np.random.Generator,
     *,
     per_site: bool = True,
+    secure: SecureAggregation | None = None,
 ) -> dict[str, Any]:
-    """The record keys of one federated evaluation of `global_state`."""
+    """The record keys of one federated evaluation of `global_state` (with `secure`:
+    summed under SecAgg+ masks, the federation's totals only)."""
     chosen = strategy.configure_evaluate(server_round, population.ids, rng)
     if not chosen:
         return federated_record({}, {}, [], per_site=False)
+    results, missing = _evaluate(backend, population, server_round, chosen, global_state)
+    if missing:
+        log.warning(
+            "round %d: %d chosen client(s) left out of the evaluation (no held-out "
+            "examples, e.g. a share too small for eval_fraction, or an implausible result)",
+            server_round,
+            len(missing),
+        )
+    if secure is not None:
+        minimum = max(2, strategy.min_evaluate_clients)
+        totals, left_out, record = secure.evaluate(server_round, results, minimum)
+        aggregated = (
+            strategy.aggregate_evaluate(server_round, [(totals.num_examples, totals.metrics())])
+            if totals is not None
+            else {}
+        )
+        return {**secure_record(aggregated, totals, [*missing, *left_out]), **record}
+    ordered = sorted(results.items())
+    aggregated = (
+        strategy.aggregate_evaluate(
+            server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+        )
+        if results
+        else {}
+    )
+    return federated_record(aggregated, results, missing, per_site=per_site)
+
+
+def cross_site_validation(
+    backend: Backend,
+    strategy: Strategy,
+    population: ClientPopulation,
+    server_round: int,
+    global_state: ModelState,
+) -> dict[str, Any]:
+    """The cross-site matrix (`cross_site_validation`): every client evaluates the
+    final global model."""
+    config = strategy.base_config(server_round)
+    chosen = {client: dict(config) for client in population.ids}
+    results, missing = _evaluate(backend, population, server_round, chosen, global_state)
+    row = cross_site_row(global_state.digest(), results, missing)
+    return cross_site_matrix(server_round, {"global": row})
+
+
+def _evaluate(
+    backend: Backend,
+    population: ClientPopulation,
+    server_round: int,
+    chosen: dict[str, RoundConfig],
+    global_state: ModelState,
+) -> tuple[dict[str, EvalResult], list[str]]:
+    """Each chosen client's evaluation of `global_state` on the worker that owns it:
+    (results, the clients left out: no held-out examples or an implausible result)."""
     shares: list[list[ClientWork]] = [[] for _ in range(backend.num_workers)]
     for client_id in sorted(chosen):
         shares[population.index(client_id) % backend.num_workers].append(
@@ -99,19 +158,4 @@ def evaluate_clients(
         metrics = dict(event.metrics)
         loss = metrics.pop("loss")
         results[event.client_id] = EvalResult(event.num_examples, loss, metrics)
-    if missing:
-        log.warning(
-            "round %d: %d chosen client(s) left out of the evaluation (no held-out "
-            "examples, e.g. a share too small for eval_fraction, or an implausible result)",
-            server_round,
-            len(missing),
-        )
-    ordered = sorted(results.items())
-    aggregated = (
-        strategy.aggregate_evaluate(
-            server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
-        )
-        if results
-        else {}
-    )
-    return federated_record(aggregated, results, missing, per_site=per_site)
+    return results, missing

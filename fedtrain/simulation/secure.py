@@ -37,8 +37,10 @@ import numpy as np
 import torch
 
 from fedtrain.errors import ConfigError, SecAggError, UpdateRejected
+from fedtrain.secagg.evaluation import EvalTotals, secure_evaluation
 from fedtrain.secagg.graph import GRAPH_SEED_BYTES
 from fedtrain.secagg.quantize import Quantizer
+from fedtrain.secagg.round_ids import evaluation_id
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout, secure_round
 from fedtrain.simulation.config import SECAGG_STAGES, SimConfig
@@ -46,6 +48,7 @@ from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.plan import RoundPlan
 from fedtrain.strategy import Strategy, WeightedSum, validate_update
 from fedtrain.strategy.aggregate import Aggregator
+from fedtrain.task import EvalResult
 from fedtrain.tensors import TensorSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 _STAGE_DROPOUT_STREAM = 0x53414744
 _ROUNDING_STREAM = 0x53415251
 _GRAPH_STREAM = 0x53414747
+_EVAL_STREAM = 0x53414556  # xor'ed into the streams above for secure evaluations
 
 
 class MaskedUploads(Aggregator):
@@ -112,9 +116,9 @@ class SecureAggregation:
         """A fresh collector for one round's updates."""
         return MaskedUploads(specs, self.protocol.quantizer())
 
-    def stage_dropouts(self, server_round: int, n: int) -> dict[int, set[int]]:
+    def stage_dropouts(self, server_round: int, n: int, stream: int = 0) -> dict[int, set[int]]:
         """Secagg ids (1..n) that vanish at each stage: round(rate * n) of those still in."""
-        rng = np.random.default_rng([self.seed, _STAGE_DROPOUT_STREAM, server_round])
+        rng = np.random.default_rng([self.seed, _STAGE_DROPOUT_STREAM ^ stream, server_round])
         alive = list(range(1, n + 1))
         out: dict[int, set[int]] = {}
         for stage, rate in enumerate(self.settings.stage_dropouts):
@@ -192,3 +196,41 @@ class SecureAggregation:
         record["secagg_included"] = len(included)
         record["secagg_seconds"] = time.perf_counter() - start
         return record
+
+    def evaluate(
+        self, server_round: int, results: Mapping[str, EvalResult], min_included: int
+    ) -> tuple[EvalTotals | None, list[str], dict[str, Any]]:
+        """One secure evaluation over the clients' `results` (the same protocol as a
+        round's updates, with `secagg.eval_clip` and the same seeded stage dropouts):
+        (the federation's totals or None when it failed, the clients left out, the
+        record's `eval_secagg_*` keys). Nothing per client leaves this function."""
+        clients = sorted(results)
+        n = len(clients)
+        drops = self.stage_dropouts(server_round, n, _EVAL_STREAM)
+        record: dict[str, Any] = {
+            f"eval_secagg_dropped_{name}": len(drops[s]) for s, name in enumerate(SECAGG_STAGES)
+        }
+        try:
+            if n < max(2, min_included):
+                raise SecAggError(
+                    f"round {server_round}: {n} client(s) evaluated, a secure evaluation "
+                    f"needs {max(2, min_included)}; nothing is unmasked"
+                )
+            graph = np.random.default_rng([self.seed, _GRAPH_STREAM ^ _EVAL_STREAM, server_round])
+            totals, result = secure_evaluation(
+                [results[c] for c in clients],
+                self.settings.evaluation_protocol(),
+                dropouts=drops,
+                round_id=evaluation_id(server_round),
+                rng=np.random.default_rng(
+                    [self.seed, _ROUNDING_STREAM ^ _EVAL_STREAM, server_round]
+                ),
+                graph_seed=graph.bytes(GRAPH_SEED_BYTES),
+                min_included=min_included,
+            )
+        except SecAggError as exc:
+            log.warning("round %d: secure evaluation failed: %s", server_round, exc)
+            record["eval_secagg_error"] = str(exc)
+            return None, clients, record
+        included = {clients[i - 1] for i in result.included}
+        return totals, [c for c in clients if c not in included], record

@@ -77,12 +77,12 @@ class HeldOutTask(TinyTask):
 
     `eval_marker` (a path): the `slow_call`-th evaluation in this process creates the
     file and then takes `eval_delay_s` longer, so a test can kill a site while it
-    evaluates. (A site's first evaluation is of the initial model, before it trains
-    round 1; its second answers the server's evaluation of round 1's model.)
+    evaluates. (A site evaluates only when the server asks: its first evaluation
+    answers the server's evaluation of round 1's model.)
     """
 
     def __init__(
-        self, eval_marker: str = "", eval_delay_s: float = 0.0, slow_call: int = 2
+        self, eval_marker: str = "", eval_delay_s: float = 0.0, slow_call: int = 1
     ) -> None:
         super().__init__()
         self.eval_marker = eval_marker

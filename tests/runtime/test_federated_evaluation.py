@@ -10,6 +10,7 @@ site, started again, evaluates the later rounds.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -98,3 +99,88 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
         assert (recorded["examples"], recorded["loss"], recorded["accuracy"]) == pytest.approx(
             measured[-1], abs=1e-4
         ), (name, measured)
+
+
+def test_cross_site_validation_evaluates_the_final_model_at_every_site(tmp_path: Path):
+    with Deployment(
+        tmp_path,
+        TASK,
+        secure=False,
+        rounds=1,
+        cross_site_validation=True,
+        # the round's own evaluation asks one site of two; cross-site validation both
+        strategy={"min_fit_clients": 2, "min_available_clients": 2, "fraction_evaluate": 0.5},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.1},
+    ) as dep:
+        dep.start_server()
+        for i, name in enumerate(SITES[:2]):
+            dep.start_site(name, data=site_data(i))
+        assert dep.wait_server(120) == 0, dep.log("server")
+        logs = {name: dep.log(name) for name in SITES[:2]}
+        dep.close()
+
+    (record,) = dep.metrics()
+    assert len(record["site_metrics"]) == 1
+    matrix = json.loads((dep.run_dir / "cross_site.json").read_text())
+    (completed,) = dep.audit("run_completed")
+    row = matrix["models"]["global"]
+    assert matrix["round"] == 1 and row["model_version"] == completed["model_version"]
+    assert sorted(row["sites"]) == list(SITES[:2]) and row["missing"] == []
+    for name in SITES[:2]:  # what each site measured on the final model (its own log)
+        (mine,) = [tuple(map(float, m)) for m in HELD_OUT.findall(logs[name])]
+        figures = row["sites"][name]
+        assert (figures["examples"], figures["loss"], figures["accuracy"]) == pytest.approx(
+            mine, abs=1e-4
+        )
+    (audited,) = dep.audit("cross_site_validation")
+    assert audited["sites"] == list(SITES[:2])
+
+
+BY_VERSION = re.compile(
+    r"model (\w+) on the held-out set \((\d+) examples\): loss (\S+) \{'accuracy': ([^}]+)\}"
+)
+
+
+def test_local_models_of_consenting_sites_are_evaluated_at_every_site(tmp_path: Path):
+    """The FLARE matrix: hospital-a and -b consent (share_local_model), -c does not; each
+    consenting site's last local model is evaluated at all three, -c's never leaves the
+    round's sum."""
+    with Deployment(
+        tmp_path,
+        TASK,
+        secure=False,
+        rounds=1,
+        cross_site_validation=True,
+        cross_site_local_models=True,
+        strategy={"min_fit_clients": 3, "min_available_clients": 3},
+        client={"epochs": 1, "batch_size": 16, "lr": 0.1},
+    ) as dep:
+        dep.start_server()
+        for i, name in enumerate(SITES):
+            dep.start_site(name, data=site_data(i), share_local_model=name != "hospital-c")
+        assert dep.wait_server(150) == 0, dep.log("server")
+        logs = {name: dep.log(name) for name in SITES}
+        dep.close()
+
+    matrix = json.loads((dep.run_dir / "cross_site.json").read_text())
+    assert list(matrix["models"]) == ["global", "hospital-a", "hospital-b"]
+    assert matrix["withheld"] == ["hospital-c"]
+    versions = [row["model_version"] for row in matrix["models"].values()]
+    assert len(set(versions)) == 3
+    measured = {
+        name: {v: tuple(map(float, m)) for v, *m in BY_VERSION.findall(logs[name])}
+        for name in SITES
+    }
+    for row in matrix["models"].values():
+        assert sorted(row["sites"]) == list(SITES) and row["missing"] == []
+        for site, figures in row["sites"].items():  # what each site measured on that model
+            mine = measured[site][row["model_version"][:12]]
+            assert (figures["examples"], figures["loss"], figures["accuracy"]) == pytest.approx(
+                mine, abs=1e-4
+            )
+    shared = dep.audit("local_model_shared")
+    assert [r["site"] for r in shared] == ["hospital-a", "hospital-b"]
+    assert all(r["to"] == list(SITES) for r in shared)
+    # the local models are not the global one: each site's own data moved it its own way
+    rows = matrix["models"]
+    assert rows["hospital-a"]["sites"] != rows["global"]["sites"]

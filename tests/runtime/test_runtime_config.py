@@ -67,3 +67,9 @@ def test_example_configs_parse() -> None:
     site = load_site_config(root / "clients" / "site.toml")
     assert server.task == site.task
     assert server.allowed_sites and site.tls.cert
+
+
+def test_cross_site_validation_is_refused_with_secure_aggregation() -> None:
+    raw = {"task": "t:T", "secagg": True, "cross_site_validation": True}
+    with pytest.raises(ConfigError, match="cross_site_validation = true cannot run with secure"):
+        from_dict(ServerConfig, {**raw, "strategy": {"min_fit_clients": 2}})

@@ -15,6 +15,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,10 +24,18 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server, wait_for
+from runtime_support import (
+    Deployment,
+    FakeSite,
+    HeldOutTask,
+    TinyTask,
+    inprocess_server,
+    wait_for,
+)
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError, SecAggError
+from fedtrain.evaluation import EVALUATE_CAPABILITY
 from fedtrain.privacy.distributed import DistributedDP
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.config import ServerConfig, SiteConfig
@@ -35,7 +44,8 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.server.coordinator import Coordinator
-from fedtrain.runtime.server.secure_round import SecureRoundState
+from fedtrain.runtime.server.masked_sum import MaskedSum
+from fedtrain.runtime.server.sessions import instruct
 from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.secagg import (
     ConsistencyRequest,
@@ -645,21 +655,21 @@ def test_over_mtls_a_site_told_another_survivor_set_refuses_to_unmask(
 ) -> None:
     """The server lies to site c (id 3) through the real stage messages: site a dropped
     (to c alone), so c should reveal a's mask key. c refuses: only c signed that set."""
-    send = SecureRoundState._send
+    send = MaskedSum.send
 
-    def lying_send(self: SecureRoundState, messages: dict[int, ServerMessage]) -> None:
+    def lying_send(self: MaskedSum, messages: dict[int, ServerMessage], gone: set[str]) -> None:
         msg = messages.get(3)
         if isinstance(msg, ConsistencyRequest):
             messages = {**messages, 3: dataclasses.replace(msg, survivors=(2, 3))}
         elif isinstance(msg, UnmaskRequest):
             lie = dataclasses.replace(msg, survivors=(2, 3), dropped=(1,))
             messages = {**messages, 3: lie}
-        send(self, messages)
+        send(self, messages, gone)
 
     def unchecked(self: SecAggServer, msg: ConsistencySignature) -> None:
         self._signatures[msg.site] = msg.signature  # a liar does not check what it caused
 
-    monkeypatch.setattr(SecureRoundState, "_send", lying_send)
+    monkeypatch.setattr(MaskedSum, "send", lying_send)
     monkeypatch.setattr(SecAggServer, "_receive_signature", unchecked)
     # Rounds count with 2 sites, so c may sign a 2-site set; its refusal comes later.
     server, _ = _mtls_federation(tmp_path, owned, ("a", "b", "c"), min_fit=2)
@@ -794,3 +804,34 @@ def test_site_killed_after_sharing_keys_leaves_the_round_to_the_survivors(tmp_pa
     assert stages["MASKED_INPUT"] == ["c"] and stages["UNMASK"] == []
     assert all(metrics[r]["clients"] == 2 for r in range(killed_in + 1, 4))
     assert "unmasked the sum of 2/3 sites" in dep.log("server")  # c's masks were removed
+
+
+def test_a_site_requiring_secagg_refuses_a_plain_evaluate_from_a_secure_server(
+    tmp_path: Path, owned: list[Any]
+) -> None:
+    """A server that runs secure aggregation but asks for a plain evaluation report (a
+    lying or buggy one) gets a refusal, never the site's metrics in the clear."""
+    task = HeldOutTask()
+    server = _server(tmp_path, task, sites=2)  # one site connects: no round starts
+    owned.append(server)
+    held_out = {"kind": "quantity", "partition": 0, "num_partitions": 3, "seed": 1}
+    daemon, thread = _daemon(
+        server, task, "careful", 0, require_secagg=True, data={**held_out, "eval_fraction": 0.2}
+    )
+    owned.append((daemon, thread))
+    registry = server.coordinator.registry
+    session = wait_for(lambda: registry.get("careful"), 30, "the site to join")
+    assert EVALUATE_CAPABILITY in session.capabilities
+    version = server.coordinator.global_model.version
+    instruct(session, 1, version, {}, time.time() + 30, kind=pb.EVALUATE)  # secagg unset
+    audit = server.run_dir.path / "audit.jsonl"
+
+    def refusal() -> list[dict[str, Any]]:
+        return [r for r in read_audit(audit) if r["event"] == "site_error"]
+
+    (record,) = wait_for(refusal, 30, "the site's refusal")
+    assert record["site"] == "careful" and record["round"] == 1
+    assert "requires secure aggregation (require_secagg = true)" in record["message"]
+    assert "refusing to evaluate" in record["message"]
+    assert not [r for r in read_audit(audit) if r["event"] == "evaluation_refused"]
+    assert daemon.downloads == 0  # it did not even fetch the model

@@ -83,6 +83,7 @@ def test_sites_train_from_a_partitioned_parquet_folder_and_a_csv_and_the_server_
         rounds=3,
         strategy={"min_fit_clients": 2, "min_available_clients": 2},
         client={"epochs": 2, "batch_size": 32, "lr": 0.1},
+        evaluate="sites",  # the sites' held-out rows (eval_fraction, eval_path) evaluate
         tracking={"mlflow": True},
     ) as dep:
         dep.env["HOSPITAL_A_DATA"] = str(tmp_path / "data" / "lake")
@@ -98,8 +99,9 @@ def test_sites_train_from_a_partitioned_parquet_folder_and_a_csv_and_the_server_
     metrics = dep.metrics()
     assert [r["round"] for r in metrics] == [1, 2, 3]
     assert all(r["clients"] == 2 for r in metrics)
-    assert metrics[-1]["accuracy"] > 0.9  # the server's test set, never seen by the sites
-    assert 0.8 < metrics[-1]["site_eval_accuracy"] <= 1.0  # the sites' held-out rows
+    sites = metrics[-1]["site_metrics"]
+    assert sorted(sites) == ["hospital-a", "hospital-b"]
+    assert all(0.8 < s["accuracy"] <= 1.0 for s in sites.values())  # their held-out rows
     exported = load_file(dep.run_dir / "model.safetensors")
     assert sorted(exported) == ["bias", "weight"]
     card = json.loads((dep.run_dir / "model.json").read_text())

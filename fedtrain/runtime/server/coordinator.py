@@ -30,6 +30,7 @@ from fedtrain.evaluation import (
     eval_metrics,
     evaluation_due,
     federated_record,
+    secure_record,
     server_record,
     where_to_evaluate,
 )
@@ -43,18 +44,20 @@ from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_record
+from fedtrain.runtime.server.cross_site import LocalModels, cross_site_validation
 from fedtrain.runtime.server.evaluation_round import EvaluationRound
 from fedtrain.runtime.server.faults import fault_point
 from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
 from fedtrain.runtime.server.links import SKIPS_BEFORE_WARNING, LinkEstimates
 from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
+from fedtrain.runtime.server.secure_evaluation import SecureEvaluation
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.strategy.aggregate import Aggregator
-from fedtrain.task import Task, TaskContext, model_for, resolve_device, task_fingerprint
+from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device, task_fingerprint
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
@@ -134,6 +137,10 @@ class Coordinator:
         self.evaluate_at = self._where_to_evaluate(config, strategy)
         #: The federated evaluation in progress (reports from sites go to it), or None.
         self.evaluation: EvaluationRound | None = None
+        #: The secure federated evaluation in progress (stage messages go to it), or None.
+        self.secure_evaluation: SecureEvaluation | None = None
+        #: Each consenting site's last local model (`cross_site_local_models`).
+        self.local_models = LocalModels(config.cross_site_local_models)
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
         #: Each site's measured link, to leave out sites that cannot finish in time.
@@ -181,10 +188,9 @@ class Coordinator:
     def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
         """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
 
-        Under secure aggregation `auto` does not evaluate at the sites: their metrics
-        would reach the server in the clear, which `evaluate = "sites"` then says
-        explicitly. FedBuff's sites train without pause, so an evaluation would
-        displace their jobs: not supported yet."""
+        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`).
+        FedBuff's sites train without pause, so an evaluation would displace their
+        jobs: not supported yet."""
         where = where_to_evaluate(config.evaluate, self.test_data is not None)
         if where != "sites":
             if config.evaluate == "server" and where == "off":
@@ -201,16 +207,12 @@ class Coordinator:
                 "the task has no test set and %s runs asynchronously: no evaluation", strategy.name
             )
             return "off"
-        if config.secagg.enabled and config.evaluate == "auto":
-            log.warning(
-                "the task has no test set, and under secure aggregation the sites evaluate "
-                "only with evaluate = 'sites' (each site's evaluation metrics then reach the "
-                "server in the clear; its update never does): no evaluation"
-            )
-            return "off"
         log.info(
-            "the global model is evaluated at the sites (federated evaluation) every %d "
+            "the global model is evaluated at the sites (federated evaluation%s) every %d "
             "round(s), on their held-out sets",
+            ", secure: the server learns only the federation's totals"
+            if config.secagg.enabled
+            else "",
             config.eval_every,
         )
         return "sites"
@@ -333,6 +335,9 @@ class Coordinator:
         evaluation = self.evaluation
         if evaluation is not None:
             evaluation.wake()
+        secure = self.secure_evaluation
+        if secure is not None:
+            secure.wake()
 
     @property
     def stopped(self) -> bool:
@@ -383,7 +388,7 @@ class Coordinator:
         }
         state: RoundState
         if self.secagg is None or self.layout is None:
-            state = RoundState(**common)
+            state = RoundState(**common, keep_updates=self.local_models.consenting(sessions))
         else:
             state = SecureRoundState(
                 **common,
@@ -482,6 +487,7 @@ class Coordinator:
         server_round = state.round
         outcome: dict[str, Any]
         if usable:
+            self.local_models.keep(self.global_model.state, state)
             new_state = self.finalize(server_round, state.aggregate)
             outcome = {
                 **self.strategy.aggregate_metrics(summary.results),
@@ -608,6 +614,34 @@ class Coordinator:
                 self.strategy.min_evaluate_clients,
             )
             return federated_record({}, {}, [], per_site=False)
+        if self.secagg is not None:
+            return self._secure_evaluation(server_round, plan)
+        results, missing = self._collect_evaluations(server_round, model, plan)
+        ordered = sorted(results.items())
+        aggregated = (
+            self.strategy.aggregate_evaluate(
+                server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+            )
+            if results
+            else {}
+        )
+        log.info(
+            "round %d: %d of %d site(s) evaluated model %s: %s",
+            server_round,
+            len(results),
+            len(plan),
+            model.version[:12],
+            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
+        )
+        return federated_record(
+            aggregated, results, list(missing), per_site=self.config.site_metrics
+        )
+
+    def _collect_evaluations(
+        self, server_round: int, model: GlobalModel, plan: dict[str, RoundConfig]
+    ) -> tuple[dict[str, EvalResult], dict[str, str]]:
+        """Ask `plan`'s sites to evaluate `model` and wait for them (plain evaluation):
+        (each counted site's result, why each other site is missing)."""
         weights = self.config.weights
         state = EvaluationRound(
             server_round,
@@ -630,31 +664,96 @@ class Coordinator:
             log.warning(
                 "round %d: site %r is left out of the evaluation: %s", server_round, site, why
             )
-        ordered = sorted(results.items())
+        return results, missing
+
+    def _cross_site_validation(self) -> None:
+        """`cross_site.py` after the last round (`cross_site_validation`; never under
+        secure aggregation, the config refuses it)."""
+        if not self.config.cross_site_validation or self.secagg is not None:
+            return
+        model = self.global_model
+        sessions = self.registry.sessions()
+        able = sorted(s.site for s in sessions if EVALUATE_CAPABILITY in s.capabilities)
+        cross_site_validation(
+            model,
+            {site: self.strategy.base_config(model.round) for site in able},
+            self.local_models,
+            lambda candidate, plan: self._collect_evaluations(model.round, candidate, plan),
+            connected={s.site for s in sessions},
+            audit=self.audit,
+            run_dir=self.run_dir,
+        )
+
+    def _secure_evaluation(self, server_round: int, plan: dict[str, RoundConfig]) -> dict[str, Any]:
+        """`federated_evaluation` under secure aggregation: the record keys of the
+        federation's totals (`secure_evaluation.py`); nothing per site."""
+        assert self.secagg is not None
+        model = self.global_model
+        minimum = max(2, self.strategy.min_evaluate_clients)
+        if len(plan) < minimum:
+            log.warning(
+                "round %d: no evaluation: a secure evaluation needs at least %d sites "
+                "(max(2, strategy.min_evaluate_clients)), %d can evaluate",
+                server_round,
+                minimum,
+                len(plan),
+            )
+            return secure_record({}, None, sorted(plan))
+        state = SecureEvaluation(
+            server_round,
+            model.version,
+            plan,
+            time.monotonic() + self.config.eval_timeout_s,
+            settings=self.secagg,
+            sessions={site: self.registry.get(site) for site in plan},
+            audit=self.audit,
+            min_included=minimum,
+            verifier=self.secagg_verifier,
+        )
+        self.secure_evaluation = state
+        try:
+            state.start(time.time() + self.config.eval_timeout_s)
+            state.wait(lambda: self.stopped)
+        finally:
+            self.secure_evaluation = None
+        totals = state.totals
         aggregated = (
             self.strategy.aggregate_evaluate(
-                server_round, [(r.num_examples, eval_metrics(r)) for _, r in ordered]
+                server_round, [(totals.num_examples, totals.metrics())]
             )
-            if results
+            if totals is not None
             else {}
         )
         log.info(
-            "round %d: %d of %d site(s) evaluated model %s: %s",
+            "round %d: %s of %d site(s) evaluated model %s securely: %s",
             server_round,
-            len(results),
+            totals.sites if totals is not None else "none",
             len(plan),
             model.version[:12],
-            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
+            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items()))
+            or (state.failed or "no result"),
         )
-        return federated_record(
-            aggregated, results, list(missing), per_site=self.config.site_metrics
-        )
+        return secure_record(aggregated, totals, state.missing())
+
+    def secagg_exchange(self) -> SecureRoundState | SecureEvaluation | None:
+        """Where a site's secure-aggregation message goes: the secure evaluation in
+        progress, else the secure round in progress (None: neither)."""
+        if self.secure_evaluation is not None:
+            return self.secure_evaluation
+        state = self.current
+        return state if isinstance(state, SecureRoundState) else None
 
     def evaluation_received(self, session: Session, report: pb.EvalReport) -> None:
         """A site's EvalReport: counted by the evaluation in progress, or refused (logged
         and audited; the site is then missing from it)."""
         state = self.evaluation
         try:
+            if self.secure_evaluation is not None or self.secagg is not None:
+                raise ProtocolError(
+                    f"site {session.site!r} sent a plain evaluation report for round "
+                    f"{report.round}, but this federation evaluates under secure aggregation "
+                    "(a site's evaluation reaches the server only masked); ignored"
+                )
             if state is None:
                 raise ProtocolError(
                     f"site {session.site!r} sent an evaluation of round {report.round}, but no "
@@ -727,6 +826,7 @@ class Coordinator:
 
     def _complete(self) -> None:
         self.checkpoints.wait()
+        self._cross_site_validation()
         save_final_model(  # safetensors with the task's names + its card, then model.pt
             self.run_dir,
             self.task,
@@ -758,23 +858,23 @@ class Coordinator:
 
     # -- events from the servicer ----------------------------------------------------------
     def _on_leave(self, session: Session, reason: str) -> None:
-        evaluation = self.evaluation
-        if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
-            log.warning(
-                "site %r left during round %d's evaluation (%s)",
-                session.site,
-                evaluation.round,
-                reason,
-            )
+        for evaluation in (self.secure_evaluation, self.evaluation):
+            if evaluation is not None and evaluation.settle(session.site, f"left ({reason})"):
+                log.warning(
+                    "site %r left during round %d's evaluation (%s)",
+                    session.site,
+                    evaluation.round,
+                    reason,
+                )
         state = self.current
         if state is not None and state.settle(session, Outcome.DROPPED):
             log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update (or evaluation)."""
-        evaluation = self.evaluation
-        if evaluation is not None and evaluation.round == server_round:
-            evaluation.settle(session.site, f"failed: {message}")
+        for evaluation in (self.secure_evaluation, self.evaluation):
+            if evaluation is not None and evaluation.round == server_round:
+                evaluation.settle(session.site, f"failed: {message}")
         state = self.current
         if isinstance(state, BufferedRounds):
             state.job_failed(session, server_round)
@@ -788,4 +888,7 @@ class Coordinator:
         if isinstance(state, BufferedRounds):
             return state.model_for(session, version)
         model = self.global_model
+        local = self.local_models.for_download(version)
+        if local is not None:
+            return local
         return model if not version or version == model.version else None

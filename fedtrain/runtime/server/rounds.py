@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import grpc
+import torch
 
 from fedtrain.errors import UpdateRejected
 from fedtrain.runtime.server.sessions import Session
 from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import RoundConfig
-from fedtrain.strategy.aggregate import Aggregator
+from fedtrain.strategy.aggregate import Aggregator, WeightedSum
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,10 @@ class RoundState:
     timed_out: bool = False
     #: Set when folding failed halfway; the aggregate is then unusable and the attempt fails.
     poisoned: str | None = None
+    #: Sites whose update is also kept whole (`local_updates`): consenting sites under
+    #: cross-site validation of local models (`cross_site_local_models`).
+    keep_updates: frozenset[str] = frozenset()
+    local_updates: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     #: Chosen sites whose outcome is still PENDING (`wait` checks it on every wake-up:
     #: counting, not rescanning, keeps a round O(sites) however often it wakes).
     _pending: int = field(default=0, init=False)
@@ -173,6 +178,10 @@ class RoundState:
             except BaseException as exc:
                 self._poison(f"folding the update of {session.site!r} failed halfway: {exc}")
                 raise
+            if session.site in self.keep_updates:
+                kept = WeightedSum(tuple(self.aggregate.specs.values()))
+                spool.fold_into(kept, 1.0)
+                self.local_updates[session.site] = kept.mean(in_place=True)
             self.set_outcome(session.site, Outcome.DONE)
             self.results.append((num_examples, dict(metrics)))
             self._cond.notify_all()

@@ -392,14 +392,15 @@ class FedtrainServicer:
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
-        state = self.coordinator.current
+        exchange = self.coordinator.secagg_exchange()
         try:
-            if not isinstance(state, SecureRoundState):
+            if exchange is None:
                 raise ProtocolError(
                     f"site {session.site!r} sent a secure-aggregation message for round "
-                    f"{message.round}, but no secure-aggregation round is in progress; ignored"
+                    f"{message.round}, but no secure-aggregation round or evaluation is in "
+                    "progress; ignored"
                 )
-            state.receive(session, message)
+            exchange.receive(session, message)
         except FedtrainError as exc:
             log.warning("%s", exc)
             self.audit.record(

@@ -43,7 +43,11 @@ from fedtrain.errors import (
     SecAggError,
     WorkerGroupError,
 )
-from fedtrain.evaluation import EVALUATE_CAPABILITY, check_eval_result
+from fedtrain.evaluation import (
+    EVALUATE_CAPABILITY,
+    SHARE_LOCAL_MODEL_CAPABILITY,
+    check_eval_result,
+)
 from fedtrain.parallel import TorchrunGroup
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
@@ -185,8 +189,7 @@ class SiteDaemon:
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
         #: The held-out set (data.eval_path / eval_fraction / the hook's SiteData.test):
-        #: the server's EVALUATE instructions are answered on it, and each round's global
-        #: model is evaluated on it before training here.
+        #: the server's EVALUATE instructions are answered on it.
         self.eval_data: Dataset | None = None
         self.model: nn.Module | None = None
         if self.group is None:
@@ -205,8 +208,7 @@ class SiteDaemon:
         #: The cached version when it is the server's reference model of that version
         #: (from a delta download): the next download may then be only the change.
         self._reference = ""
-        #: (model version, its held-out metrics): a model evaluated on the server's
-        #: EVALUATE is not evaluated again before training from it.
+        #: (model version, its held-out metrics): a version is evaluated once.
         self._evaluated: tuple[str, EvalResult] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
@@ -322,11 +324,13 @@ class SiteDaemon:
     def capabilities(self) -> tuple[str, ...]:
         """What this site tells the server it can do: the download encodings it accepts
         (`download_codecs`); `evaluate` only with a held-out set in this process (a
-        worker-group site does not evaluate yet)."""
+        worker-group site does not evaluate yet); `share_local_model` when it consents
+        to cross-site validation of its local model."""
         downloads = tuple(downlink.capability(c) for c in self.config.download_codecs)
+        consent = (SHARE_LOCAL_MODEL_CAPABILITY,) if self.config.share_local_model else ()
         if self.eval_data is None or self.group is not None:
-            return (*CAPABILITIES, *downloads)
-        return (*CAPABILITIES, EVALUATE_CAPABILITY, *downloads)
+            return (*CAPABILITIES, *consent, *downloads)
+        return (*CAPABILITIES, EVALUATE_CAPABILITY, *consent, *downloads)
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
@@ -460,12 +464,10 @@ class SiteDaemon:
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
         """Hand an instruction to the trainer; a newer one replaces one not yet started."""
-        if instruction.kind == pb.EVALUATE and EVALUATE_CAPABILITY in self.capabilities:
-            with self._job_ready:
-                self._job = (link, instruction)
-                self._job_ready.notify()
-            return
-        if instruction.kind != pb.TRAIN:
+        evaluate = instruction.kind == pb.EVALUATE
+        if not (
+            instruction.kind == pb.TRAIN or (evaluate and EVALUATE_CAPABILITY in self.capabilities)
+        ):
             log.warning(
                 "ignoring a %s instruction (this site does not do it)",
                 pb.InstructionKind.Name(instruction.kind),
@@ -474,9 +476,14 @@ class SiteDaemon:
         if instruction.secagg:
             self.secagg.expect(instruction)  # its stage messages follow on this stream
         elif self.config.require_secagg:
+            asked, refused = (
+                ("a plain evaluation report", "evaluate")
+                if evaluate
+                else ("a plain update", "train")
+            )
             refusal = (
-                f"round {instruction.round}: the server asks for a plain update, but this site "
-                "requires secure aggregation (require_secagg = true); refusing to train"
+                f"round {instruction.round}: the server asks for {asked}, but this site "
+                f"requires secure aggregation (require_secagg = true); refusing to {refused}"
             )
             log.error("%s", refusal)
             link.report(instruction.round, refusal)
@@ -508,9 +515,7 @@ class SiteDaemon:
             global_state = self.fetch_model(link, instruction.model_version)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
-            local, result = self._train(
-                global_state, config, instruction.deadline_unix, instruction.model_version
-            )
+            local, result = self._train(global_state, config, instruction.deadline_unix)
             clock.mark("train")
             if instruction.secagg:  # the update leaves the site only masked
                 header, chunks = self.secagg.masked_update(
@@ -573,6 +578,9 @@ class SiteDaemon:
             )
             assert ev is not None  # the capability is advertised only with a held-out set
             check_eval_result(ev, f"site {self.name!r}, round {server_round}")
+            if instruction.secagg:  # the evaluation leaves the site only masked
+                self.secagg.send_masked_evaluation(link, instruction, ev)
+                return
             report = pb.EvalReport(
                 round=server_round,
                 model_version=instruction.model_version,
@@ -587,6 +595,8 @@ class SiteDaemon:
                 return
             log.warning("round %d: evaluation: model download failed: %s", server_round, exc)
             link.report(server_round, f"evaluation: {rpc.describe_rpc_error(exc)}")
+        except RoundSuperseded as exc:
+            log.info("round %d: evaluation abandoned: %s", server_round, exc)
         except Exception as exc:  # the task's code may raise anything; the daemon survives it
             log.exception("round %d: evaluation failed at this site", server_round)
             link.report(server_round, f"evaluation: {type(exc).__name__}: {exc}")
@@ -599,12 +609,18 @@ class SiteDaemon:
         if done is not None and done[0] == version:
             return done[1]
         ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
-        log.info("held-out set (%d examples): loss %.4f %s", ev.num_examples, ev.loss, ev.metrics)
+        log.info(
+            "model %s on the held-out set (%d examples): loss %r %s",
+            version[:12],
+            ev.num_examples,
+            ev.loss,
+            ev.metrics,
+        )
         self._evaluated = (version, ev)
         return ev
 
     def _train(
-        self, global_state: ModelState, config: RoundConfig, deadline_unix: float, version: str
+        self, global_state: ModelState, config: RoundConfig, deadline_unix: float
     ) -> tuple[ModelState, TrainResult]:
         """One round's local training: (trained state, result), in this process or on
         the worker group. The state may be views of the live weights (no copy on the
@@ -616,23 +632,8 @@ class SiteDaemon:
             )
         assert self.model is not None and self.data is not None
         global_state.load_into(self.model)
-        held_out = self._evaluate(config, version)
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
-        if held_out:
-            result = replace(result, metrics={**result.metrics, **held_out})
         return ModelState(self.model.state_dict()), result
-
-    def _evaluate(self, config: RoundConfig, version: str) -> dict[str, float]:
-        """The global model (loaded in self.model) on the held-out set, as `site_eval_*`
-        metrics that travel with a plain update (a masked one carries no metrics)."""
-        ev = self._held_out(config, version)
-        if ev is None:
-            return {}
-        return {
-            "site_eval_loss": ev.loss,
-            "site_eval_examples": float(ev.num_examples),
-            **{f"site_eval_{k}": float(v) for k, v in ev.metrics.items()},
-        }
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks (only

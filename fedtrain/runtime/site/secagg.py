@@ -6,7 +6,9 @@ agreement (stages 0 and 1: two fresh key pairs, Shamir shares for ``k`` neighbou
 cheap) is answered on the control-stream thread while the trainer thread downloads
 and trains. The masked input (stage 2) needs both the trained update and the
 neighbours' shares (`RoutedShares`); the trainer waits for the shares on a condition,
-bounded by the round's deadline, then masks and uploads. The survivor set to sign
+bounded by the round's deadline, then masks and uploads. A secure evaluation runs
+the same stages; its masked input (the site's evaluation sums, a few values) goes on
+the control stream instead. The survivor set to sign
 (stage 3, the consistency check) and the unmask request (stage 4) are answered on the
 control-stream thread again.
 
@@ -51,16 +53,19 @@ from fedtrain.secagg import (
     ConsistencyRequest,
     Identity,
     KeysBroadcast,
+    MaskedInput,
     RoundParams,
     RoutedShares,
     SecAggClient,
     SetupRequest,
+    Stage,
     UnmaskRequest,
     Verifier,
     decode_message,
 )
+from fedtrain.secagg.evaluation import eval_vector
 from fedtrain.secagg.updates import UpdateLayout
-from fedtrain.task import TrainResult
+from fedtrain.task import EvalResult, TrainResult
 from fedtrain.tensors import Chunk, ModelState
 
 log = logging.getLogger(__name__)
@@ -186,11 +191,40 @@ class SiteSecAgg:
         """
         layout = UpdateLayout.of(global_state.specs)
         vector = layout.flatten_delta(local, global_state)
+        masked = self._mask(instruction, vector, float(result.num_examples))
+        header = pb.UploadHeader(
+            round=instruction.round,
+            session_token=link.token,
+            model_version=instruction.model_version,
+            masked=True,
+        )
+        return header, wire.masked_chunks(masked.vector, link.chunk_bytes)
+
+    def send_masked_evaluation(
+        self, link: ControlLink, instruction: pb.Instruction, result: EvalResult
+    ) -> None:
+        """Answer a secure EVALUATE: this site's evaluation masked (`fedtrain.secagg.
+        evaluation`), sent on the control stream (a few values). Waits for the
+        neighbours' shares like `masked_update`, and raises as it does."""
+        vector, weight = eval_vector(result)
+        masked = self._mask(instruction, vector, weight)
+        link.outbox.put(
+            pb.SiteMessage(
+                secagg=pb.SecAggMessage(
+                    round=instruction.round,
+                    stage=int(Stage.MASKED_INPUT),
+                    payload=masked.to_bytes(),
+                )
+            )
+        )
+
+    def _mask(self, instruction: pb.Instruction, vector: np.ndarray, weight: float) -> MaskedInput:
+        """`vector` with `weight`, masked once the neighbours' shares are in (under
+        distributed DP, which evaluations never run, clipped and noised with weight 1)."""
         with self._cond:
             current = self._await_shares(instruction)
             assert current.client is not None and current.params is not None
             assert current.routed is not None
-            weight = float(result.num_examples)
             if current.dp is not None:  # clip to the sensitivity; the weight is public
                 vector, weight = current.dp.clip(vector), SITE_WEIGHT
             _warn_clipped(instruction.round, vector, current.params.clip)
@@ -200,13 +234,8 @@ class SiteSecAgg:
             except SecAggError as exc:
                 current.ended = str(exc)
                 raise
-        header = pb.UploadHeader(
-            round=instruction.round,
-            session_token=link.token,
-            model_version=instruction.model_version,
-            masked=True,
-        )
-        return header, wire.masked_chunks(masked.vector, link.chunk_bytes)
+            assert isinstance(masked, MaskedInput)
+            return masked
 
     def _await_shares(self, instruction: pb.Instruction) -> _Round:
         """The round of `instruction` once its RoutedShares arrived (lock held)."""
