@@ -159,13 +159,16 @@ class Scenario:
     fedtrain_options: Mapping[str, Any] = field(default_factory=dict)
     round_timeout_s: float | None = None  # both systems; None: the deadline
     upload_fraction: float = 1.0  # bytes a site uploads per round, as a share of the model
+    download_fraction: float = 1.0  # bytes a site downloads per round (after round 1)
     flower: bool = True
     flower_note: str = ""
     cut: Cut | None = None
 
     def bound_s(self, num_params: int) -> float:
         model = num_params * 4
-        return line_rate_bound(self.links, model, model * self.upload_fraction)
+        return line_rate_bound(
+            self.links, model * self.download_fraction, model * self.upload_fraction
+        )
 
 
 def _star(site: Link, slow: Link | None = None, num_sites: int = NUM_SITES) -> dict[str, Link]:
@@ -250,6 +253,33 @@ def _scenarios(num_params: int = MODEL_PARAMS) -> list[Scenario]:
             upload_fraction=0.02,
             flower=False,
             flower_note="Flower's FedAvg has no update codec",
+        ),
+        *(
+            Scenario(
+                f"slow-site-topk-{name}",
+                f"site-0 at 10 Mbit/s, others 1 Gbit/s, top-k 1% uploads, {title} downloads",
+                slow,
+                rounds=3,
+                deadline_s=300,
+                fedtrain_options={
+                    "compression": {"codec": "topk", "fraction": 0.01},
+                    "download": download,
+                },
+                upload_fraction=0.02,
+                download_fraction=fraction,
+                flower=False,
+                flower_note="Flower has no update or download codec",
+            )
+            for name, title, download, fraction in (
+                ("fp16", "fp16", {"codec": "fp16"}, 0.5),
+                # after round 1 a site holds the reference: only the top-k 1% change
+                (
+                    "delta",
+                    "top-k 1% delta",
+                    {"codec": "topk", "delta": True, "fraction": 0.01},
+                    0.02,
+                ),
+            )
         ),
     ]
 
