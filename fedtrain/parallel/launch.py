@@ -159,7 +159,8 @@ class TorchrunGroup:
                 {0: self._broken},
                 restarting=False,
             ) from exc
-        return ModelState.from_module(self._ranks.trainer.module), result
+        trainer = self._ranks.trainer
+        return ModelState.from_module(trainer.module, trainer.federated), result
 
     def close(self) -> None:
         """Tell the followers to stop and leave the group; idempotent."""

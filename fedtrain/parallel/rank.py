@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -20,8 +20,8 @@ from torch.utils.data import Dataset
 
 from fedtrain.errors import ConfigError
 from fedtrain.strategy.base import RoundConfig
-from fedtrain.task import Task, TaskContext, TrainResult, load_task, model_for
-from fedtrain.tensors import ModelState
+from fedtrain.task import Task, TaskContext, TrainResult, federated_names, load_task, model_for
+from fedtrain.tensors import ModelState, select
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class RankTrainer:
         self.data = spec.data(self.task) if spec.data is not None else self.task.datasets()[0]
         # Same seed on every rank; DDP also broadcasts rank 0's weights when it wraps.
         self.module = model_for(self.task, spec.seed).to(device)
+        #: The tensors that travel (None: all); only they come in and go out.
+        self.federated = federated_names(self.task, self.module)
         self.model: nn.Module = self.module
         if world_size > 1:
             device_ids = [device.index or 0] if device.type == "cuda" else None
@@ -95,15 +97,16 @@ class RankTrainer:
         if self.rank == 0:
             if global_state is None:
                 raise ValueError("rank 0 needs the global state")
-            global_state.load_into(self.module)
+            global_state.load_into(self.module, self.federated)
         if self.world_size > 1:
-            broadcast_module(self.module)
+            broadcast_module(self.module, self.federated)
         context = self.context if seed is None else replace(self.context, seed=seed)
         return self.task.train(self.model, self.data, dict(config), context)
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module) -> None:
-    """Every parameter and buffer from rank 0 to all ranks, in place."""
-    for tensor in module.state_dict().values():
+def broadcast_module(module: nn.Module, names: Collection[str] | None = None) -> None:
+    """The federated parameters and buffers (`names`; None: all) from rank 0 to all
+    ranks, in place; a frozen base is the same on every rank already."""
+    for tensor in select(module.state_dict(), names).values():
         dist.broadcast(tensor, src=0)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fedtrain.parallel.rank import GroupSpec, RankTrainer, backend_for
 from fedtrain.parallel.shared import SharedState
 from fedtrain.teardown import leave_now
+from fedtrain.tensors import select
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def worker_main(rank: int, device_name: str, config: WorkerConfig, conn: Connect
                 timeout=timeout,
             )  # fmt: skip
         trainer = RankTrainer(config.spec, rank, world_size, device)
-        shared = SharedState.like(trainer.module) if rank == 0 else None
+        shared = SharedState.like(trainer.module, trainer.federated) if rank == 0 else None
         conn.send(("ready", rank, shared))
         _serve(trainer, shared, conn)
     except EOFError:  # the daemon closed our pipe: it is gone or closing
@@ -88,7 +89,7 @@ def _serve(trainer: RankTrainer, shared: SharedState | None, conn: Connection) -
         _, config, seed = command
         result = trainer.train(config, shared.as_state() if shared is not None else None, seed)
         if shared is not None:
-            shared.write(trainer.module.state_dict())
+            shared.write(select(trainer.module.state_dict(), trainer.federated))
         conn.send(("done", trainer.rank, result if trainer.rank == 0 else None))
 
 
