@@ -197,7 +197,7 @@ class TorchTask(Task):
         model.to(context.device).train()
         opt = self.optimizer(model, config)
         gen = torch.Generator().manual_seed(
-            _mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
+            mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
         )
         mu = float(config.get("proximal_mu", 0.0))
         anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
@@ -222,7 +222,7 @@ class TorchTask(Task):
                 total_loss += float(loss.detach()) * len(y)
                 seen += len(y)
         if context.world_size > 1:
-            total_loss, seen = _sum_over_ranks((total_loss, seen), context.device)
+            total_loss, seen = sum_over_ranks((total_loss, seen), context.device)
         return TrainResult(len(data), {"train_loss": total_loss / max(seen, 1)})
 
     @torch.no_grad()
@@ -300,7 +300,7 @@ def _shard(order: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return order[rank::world_size]
 
 
-def _sum_over_ranks(values: tuple[float, ...], device: torch.device) -> tuple[float, ...]:
+def sum_over_ranks(values: tuple[float, ...], device: torch.device) -> tuple[float, ...]:
     """Element-wise sum over the DDP group (as-is when no process group is running)."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
@@ -319,7 +319,7 @@ def _unwrap(data: Dataset) -> tuple[Dataset, torch.Tensor | None]:
     return data, index
 
 
-def _mix_seed(*parts: object) -> int:
+def mix_seed(*parts: object) -> int:
     """A stable 63-bit seed from several parts (Python's hash() is salted per process)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,8 @@
+"""Fine-tuning tests: transformers and peft must never reach for the hub."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported; children inherit it
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
