@@ -1,8 +1,8 @@
 """LoRA fine-tuning of a small generated GPT-2 across 3 sites: the figures of
 simulations/RESULTS.md ("Fine-tuning a foundation model").
 
-    PYTHONPATH=.:tests/runtime python simulations/lora_finetune.py baselines /tmp/lora
-    PYTHONPATH=.:tests/runtime python simulations/lora_finetune.py deployment /tmp/lora
+    PYTHONPATH=.:tests:tests/runtime python simulations/lora_finetune.py baselines /tmp/lora
+    PYTHONPATH=.:tests:tests/runtime python simulations/lora_finetune.py deployment /tmp/lora
 
 `baselines`: each site LoRA-fine-tunes alone on its own reports (local-only), and one
 model LoRA-fine-tunes on everyone's reports pooled (centralized), for the same number
@@ -35,15 +35,15 @@ from fedtrain.task import TaskContext, federated_names, model_for
 
 TASK = "fedtrain.finetune:GeneratedReportsTask"
 SITES = ("cardiology", "neurology", "oncology")
-ROUNDS = 10
-CLIENT = {"epochs": 1, "batch_size": 8, "lr": 0.01}
+ROUNDS = 20
+CLIENT = {"epochs": 2, "batch_size": 8, "lr": 0.01}
 
 
 def options(root: Path, **extra: Any) -> dict[str, Any]:
     return {
         "base": str(root / "base"),
         "sites": list(SITES),
-        "train_per_site": 60,
+        "train_per_site": 40,
         "test_per_site": 100,
         "lora_rank": 8,
         "lora_alpha": 16.0,
@@ -100,7 +100,7 @@ def deployment(root: Path, full: bool) -> dict[str, Any]:
         allowed_sites=list(SITES),
         strategy={"min_fit_clients": 3, "min_available_clients": 3},
         client=CLIENT,
-        evaluate="none",
+        evaluate="off",
         secagg={"enabled": True, "clip": 1.0, "max_clients": 8, "max_weight": 1000.0},
     ) as dep:
         dep.start_server()

@@ -66,9 +66,15 @@ class TransformersTask(Task):
         base_dtype: str = "float32",
         base_revision: str = "",
         full_finetune: bool = False,
+        site_rank: int = 0,
     ) -> None:
         if lora_rank < 1:
             raise ConfigError(f"task_options.lora_rank must be >= 1, got {lora_rank}")
+        if not 0 <= site_rank <= lora_rank:
+            raise ConfigError(
+                f"task_options.site_rank = {site_rank}: a site's rank must be between 1 and "
+                f"the federation's lora_rank ({lora_rank}); 0 means lora_rank"
+            )
         if precision not in PRECISIONS:
             raise ConfigError(f"task_options.precision = {precision!r}: use one of {PRECISIONS}")
         if base_dtype not in BASE_DTYPES:
@@ -87,6 +93,8 @@ class TransformersTask(Task):
         #: Train (and federate) every weight instead of adapters: the baseline whose
         #: bytes on the wire LoRA is measured against.
         self.full_finetune = full_finetune
+        #: This site's own LoRA rank (<= lora_rank, the federation's): see `limit_rank`.
+        self.site_rank = site_rank or lora_rank
         if full_finetune:
             self.federated = "all"
 
@@ -120,7 +128,10 @@ class TransformersTask(Task):
             task_type="CAUSAL_LM",
             fan_in_fan_out=_transposed(base, self.target_modules),
         )
-        return get_peft_model(base, config)
+        model = get_peft_model(base, config)
+        if self.site_rank < self.lora_rank:
+            limit_rank(model, self.site_rank)
+        return model
 
     def base_revision(self) -> str | None:
         return self.declared_revision or None
@@ -203,6 +214,7 @@ class TransformersTask(Task):
         gen = torch.Generator().manual_seed(
             mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
         )
+        idle = idle_slots(model, self.site_rank) if self.site_rank < self.lora_rank else []
         total, tokens = 0.0, 0
         for _ in range(epochs):
             for batch in iterate_batches(
@@ -215,6 +227,7 @@ class TransformersTask(Task):
                 opt.step()
                 total += float(loss_sum.detach())
                 tokens += n
+        restore_slots(idle)
         if context.world_size > 1:
             total, tokens = sum_over_ranks((total, tokens), context.device)
         return TrainResult(len(data), {"train_loss": total / max(tokens, 1)})  # type: ignore[arg-type]
@@ -308,6 +321,60 @@ class GeneratedReportsTask(TransformersTask):
             f"site {site!r} is none of this federation's sites {list(self.sites)}: set "
             "data.options.site to one of them (or its 0-based index)"
         )
+
+
+# -- mixed ranks: zero-padding ---------------------------------------------------------------
+# Sites of one federation may train adapters of different ranks (a small GPU takes a
+# lower one). fedtrain zero-pads (as HetLoRA, Cho et al. 2024), not stacks (FLoRA, 2024):
+# stacking makes the global adapter's rank grow with the sites and merges it into the
+# base every round, so the base would change and travel; zero-padding keeps one shape
+# (the federation's `lora_rank` R) on the wire, which secure aggregation's fixed-size
+# masked vector, checkpoints and the fingerprint need. A site of rank r < R holds the
+# rank-R adapters but uses and trains only their first r slots (rows of A, columns of B):
+# its forward pass is exactly a rank-r LoRA with the same scaling, and its update is
+# zero on slots r..R. The weighted mean then gives slot j the mean over all sites, the
+# sites without it counting as no change: slots that fewer sites train move more slowly.
+RANK_MASK = "fedtrain_rank_mask"
+
+
+def limit_rank(model: nn.Module, rank: int) -> None:
+    """Make every LoRA layer of `model` act through its first `rank` slots only."""
+    for a in _lora_a(model):
+        mask = torch.zeros(a.out_features)
+        mask[:rank] = 1.0
+        a.register_buffer(RANK_MASK, mask, persistent=False)  # not in the state dict
+        a.register_forward_hook(_mask_slots)
+
+
+def _mask_slots(module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+    return output * getattr(module, RANK_MASK).to(output.dtype)
+
+
+def idle_slots(model: nn.Module, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The slots beyond `rank` (parameter view -> its values now), to put back after
+    training: no gradient reaches them, but weight decay would still move them."""
+    out = []
+    for layer in _lora_layers(model):
+        for adapter in layer.lora_A:
+            a, b = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+            out += [(view, view.detach().clone()) for view in (a[rank:], b[:, rank:])]
+    return out
+
+
+@torch.no_grad()
+def restore_slots(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for view, values in saved:
+        view.copy_(values)
+
+
+def _lora_layers(model: nn.Module) -> list[Any]:
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
+
+
+def _lora_a(model: nn.Module) -> list[nn.Linear]:
+    return [layer.lora_A[k] for layer in _lora_layers(model) for k in layer.lora_A]
 
 
 def _transposed(model: nn.Module, targets: Sequence[str]) -> bool:

@@ -6,3 +6,10 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported; children inherit it
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import sys
+from pathlib import Path
+
+RUNTIME = str(Path(__file__).resolve().parents[1] / "runtime")  # runtime_support
+if RUNTIME not in sys.path:
+    sys.path.insert(0, RUNTIME)
