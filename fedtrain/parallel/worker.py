@@ -25,7 +25,6 @@ import torch.distributed as dist
 from fedtrain.parallel.rank import GroupSpec, RankTrainer, backend_for
 from fedtrain.parallel.shared import SharedState
 from fedtrain.teardown import leave_now
-from fedtrain.tensors import select
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +87,9 @@ def _serve(trainer: RankTrainer, shared: SharedState | None, conn: Connection) -
             return
         _, config, seed = command
         result = trainer.train(config, shared.as_state() if shared is not None else None, seed)
-        if shared is not None:
-            shared.write(select(trainer.module.state_dict(), trainer.federated))
+        trained = trainer.trained_state()  # a collective when the model is sharded
+        if shared is not None and trained is not None:
+            shared.write(trained)
         conn.send(("done", trainer.rank, result if trainer.rank == 0 else None))
 
 
