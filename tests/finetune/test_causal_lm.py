@@ -143,3 +143,72 @@ def test_a_base_path_without_a_checkpoint_is_a_clear_error_not_a_hub_lookup(tmp_
     task = TransformersTask(str(tmp_path / "gpt2"))
     with pytest.raises(ConfigError, match="local files only"):
         task.model()
+
+
+def test_a_site_daemon_whose_base_was_pretrained_otherwise_is_refused_at_join(
+    base_dir, tmp_path, caplog
+):
+    """Real gRPC, in-process: the site's own log says what to fix."""
+    import logging
+    import threading
+
+    from runtime_support import inprocess_server, wait_for
+
+    from fedtrain.config import from_dict
+    from fedtrain.runtime.config import SiteConfig
+    from fedtrain.runtime.site.daemon import SiteDaemon
+
+    server = inprocess_server(tmp_path, tiny(base_dir), 1, rounds=1, evaluate="off")
+    options = {
+        "base": str(tmp_path / "their-base"), "base_size": {**TINY, "seed": 1},
+        "train_per_site": 24, "test_per_site": 16, "lora_rank": 4,
+    }  # fmt: skip
+    raw = {
+        "task": "fedtrain.finetune:GeneratedReportsTask",
+        "task_options": options,
+        "name": "hospital-b",
+        "server": f"127.0.0.1:{server.port}",
+        "data": {"source": "task", "options": {"site": 1}},
+        "reconnect": {"min_s": 5.0, "max_s": 5.0},
+    }
+    daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=True)
+    thread = threading.Thread(target=daemon.run, daemon=True)
+    try:
+        with caplog.at_level(logging.ERROR, logger="fedtrain.runtime.site.daemon"):
+            thread.start()
+            wait_for(lambda: "refused this site" in caplog.text, 60, "the refusal")
+        assert "frozen base model differs from the server's" in caplog.text
+        assert len(server.registry) == 0
+    finally:
+        daemon.stop()
+        thread.join(10)
+        server.stop()
+
+
+def test_the_simulation_federates_the_adapters_of_generated_reports(base_dir, tmp_path):
+    from fedtrain.config import from_dict
+    from fedtrain.simulation import SimConfig, run_simulation
+
+    options = {"base": str(base_dir), "base_size": TINY, "train_per_site": 24,
+               "test_per_site": 16, "lora_rank": 4}  # fmt: skip
+    config = from_dict(
+        SimConfig,
+        {
+            "task": "fedtrain.finetune:GeneratedReportsTask",
+            "task_options": options,
+            "rounds": 2,
+            "num_clients": 3,
+            "backend": "inline",
+            "run_dir": str(tmp_path / "sim"),
+            "partition": {"kind": "shards", "labels_per_client": 1},
+            "strategy": {"min_fit_clients": 3, "min_available_clients": 3},
+            "client": {"lr": 0.02, "batch_size": 8},
+            "secagg": {"enabled": True, "clip": 1.0, "max_weight": 100.0},
+        },
+    )
+    result = run_simulation(config)
+    task = tiny(base_dir)
+    model = model_for(task, 0)
+    assert list(result.model) == list(federated_names(task, model))
+    # the server-side record keeps the loss; perplexity is its exponential
+    assert result.history[-1]["loss"] < result.history[0]["loss"]

@@ -22,20 +22,7 @@ OPTIONS = {"num_train": 600, "num_test": 200, "hidden": 64}
 HEAD_BYTES = (2 * 64 + 2) * 4  # float32 head; the 20 x 64 base would be 5,376 bytes more
 
 
-@pytest.fixture
-def owned() -> Any:
-    things: list[Any] = []
-    yield things
-    for thing in reversed(things):
-        if isinstance(thing, tuple):
-            thing[0].stop()
-            thing[1].join(10)
-            assert not thing[1].is_alive()
-        else:
-            thing.close() if isinstance(thing, FakeSite) else thing.stop()
-
-
-def _daemon(port: int, task: FrozenBaseTask, name: str, part: int) -> tuple[SiteDaemon, Any]:
+def _daemon(port: int, task: FrozenBaseTask, name: str, part: int) -> SiteDaemon:
     raw = {
         "task": "fedtrain.examples:FrozenBaseTask",
         "task_options": OPTIONS,
@@ -45,14 +32,13 @@ def _daemon(port: int, task: FrozenBaseTask, name: str, part: int) -> tuple[Site
         "reconnect": {"min_s": 0.1, "max_s": 0.5},
     }
     daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=True, task=task)
-    thread = threading.Thread(target=daemon.run, daemon=True)
-    thread.start()
-    return daemon, thread
+    threading.Thread(target=daemon.run, daemon=True).start()
+    return daemon
 
 
 @pytest.mark.parametrize("secagg", [False, True], ids=["plain", "secagg"])
 def test_only_the_head_is_downloaded_uploaded_aggregated_and_checkpointed(
-    tmp_path: Path, owned: list[Any], secagg: bool
+    tmp_path: Path, stop_after: list[Any], secagg: bool
 ) -> None:
     task = FrozenBaseTask(**OPTIONS)
     extra: dict[str, Any] = {
@@ -63,9 +49,9 @@ def test_only_the_head_is_downloaded_uploaded_aggregated_and_checkpointed(
     if secagg:
         extra["secagg"] = {"enabled": True, "clip": 4.0, "max_clients": 8, "max_weight": 1000.0}
     server = inprocess_server(tmp_path, task, 3, **extra)
-    owned.append(server)
+    stop_after.append(server)
     for i, name in enumerate("abc"):
-        owned.append(_daemon(server.port, task, name, i))
+        stop_after.append(_daemon(server.port, task, name, i))
     assert server.wait(90), "the run did not finish"
     assert server.coordinator.error is None
     assert list(server.coordinator.global_model.state) == ["2.weight", "2.bias"]
@@ -79,11 +65,11 @@ def test_only_the_head_is_downloaded_uploaded_aggregated_and_checkpointed(
 
 
 def test_a_site_holding_another_frozen_base_is_refused_at_join(
-    tmp_path: Path, owned: list[Any]
+    tmp_path: Path, stop_after: list[Any]
 ) -> None:
     task = FrozenBaseTask(**OPTIONS)
     server = inprocess_server(tmp_path, task, 1)
-    owned.append(server)
+    stop_after.append(server)
     other = task_fingerprint(FrozenBaseTask(**OPTIONS, base_seed=1))
     with pytest.raises(AssertionError, match="reject") as info:
         FakeSite(server.port, "hospital-b", other)
