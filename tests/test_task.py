@@ -191,6 +191,10 @@ def test_loading_a_federated_state_leaves_the_base_and_refuses_a_state_missing_a
         ModelState({"2.weight": torch.ones(2, 32)}).load_into(model, names)
     with pytest.raises(TensorStreamError, match="unexpected"):
         head.load_into(model)  # everything expected: the head alone is not a model
+    # a server cannot overwrite the frozen base through the federated state
+    with pytest.raises(TensorStreamError, match=r"unexpected \['0.weight'\]"):
+        ModelState({**head, "0.weight": torch.zeros(32, 20)}).load_into(model, names)
+    assert torch.equal(model[0].weight, base)
 
 
 def test_the_fingerprint_tells_a_different_frozen_base_from_a_different_task():

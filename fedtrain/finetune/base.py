@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from fedtrain.errors import ConfigError
 from fedtrain.finetune.corpus import WordTokenizer, generic_text
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ def ensure_generated_base(directory: str | Path, spec: BaseSpec = BaseSpec()) ->
     path = Path(directory)
     if (path / CONFIG_FILE).exists():
         return path
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ConfigError(
+            f"task_options.base = {str(path)!r} exists but holds no checkpoint "
+            f"({CONFIG_FILE}): point base at an empty or new directory for the generated "
+            "base model (fedtrain builds it there), or at a checkpoint directory"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(path) + ".lock"):
         if (path / CONFIG_FILE).exists():  # another process built it while we waited
@@ -59,8 +66,8 @@ def ensure_generated_base(directory: str | Path, spec: BaseSpec = BaseSpec()) ->
         tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
         try:
             model.save_pretrained(tmp)
-            if path.exists():  # a partial directory an interrupted build left
-                shutil.rmtree(path)
+            if path.exists():  # empty (checked above): os.replace takes its place
+                path.rmdir()
             os.replace(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

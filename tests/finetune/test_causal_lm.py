@@ -139,6 +139,16 @@ def test_a_real_local_checkpoint_with_its_own_tokenizer_loads_by_path(base_dir, 
     assert "+base:" in task_fingerprint(task, model)
 
 
+def test_a_directory_holding_something_else_is_never_overwritten_by_the_generated_base(
+    tmp_path,
+):
+    keep = tmp_path / "notes.txt"
+    keep.write_text("mine")
+    with pytest.raises(ConfigError, match="holds no checkpoint"):
+        model_for(GeneratedReportsTask(str(tmp_path), base_size=TINY), 0)
+    assert keep.read_text() == "mine"
+
+
 def test_a_base_path_without_a_checkpoint_is_a_clear_error_not_a_hub_lookup(tmp_path):
     task = TransformersTask(str(tmp_path / "gpt2"))
     with pytest.raises(ConfigError, match="local files only"):
