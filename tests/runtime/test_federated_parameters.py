@@ -13,7 +13,8 @@ from runtime_support import FakeSite, inprocess_server
 from fedtrain.config import from_dict
 from fedtrain.examples import FrozenBaseTask
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.config import ServerConfig, SiteConfig
+from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.task import task_fingerprint
@@ -75,3 +76,27 @@ def test_a_site_holding_another_frozen_base_is_refused_at_join(
         FakeSite(server.port, "hospital-b", other)
     assert "frozen base model differs" in str(info.value)
     assert "same base weights" in str(info.value)
+
+
+def test_a_partly_federated_run_resumes_from_its_checkpointed_head(
+    tmp_path: Path, stop_after: list[Any]
+) -> None:
+    task = FrozenBaseTask(**OPTIONS)
+    server = inprocess_server(tmp_path, task, 1, rounds=1, chunk_bytes=4096)
+    stop_after.append(server)
+    stop_after.append(_daemon(server.port, task, "a", 0))
+    assert server.wait(60) and server.coordinator.error is None
+    head = server.coordinator.global_model.state
+    server.stop()
+    raw = {
+        "task": "fedtrain.examples:FrozenBaseTask",
+        "task_options": OPTIONS,
+        "address": "127.0.0.1:0",
+        "run_dir": str(tmp_path / "run"),
+        "rounds": 2,
+        "strategy": {"min_fit_clients": 1, "min_available_clients": 1},
+    }
+    resumed = AggregationServer(from_dict(ServerConfig, raw), insecure=True, task=task, resume=True)
+    stop_after.append(resumed)
+    assert resumed.coordinator.global_model.state.equal(head)
+    assert resumed.coordinator.global_model.round == 1
