@@ -190,15 +190,9 @@ class TorchTask(Task):
     def train(
         self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
     ) -> TrainResult:
-        epochs = int(config.get("epochs", 1))
-        batch_size = int(config.get("batch_size", 32))
-        if epochs < 1 or batch_size < 1:
-            raise ConfigError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+        epochs, batch_size, gen = local_loop(config, context, default_batch_size=32)
         model.to(context.device).train()
         opt = self.optimizer(model, config)
-        gen = torch.Generator().manual_seed(
-            mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
-        )
         mu = float(config.get("proximal_mu", 0.0))
         anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
         total_loss, seen = 0.0, 0
@@ -241,6 +235,19 @@ class TorchTask(Task):
             n += len(y)
         metrics = {"accuracy": correct / n} if n and classifies else {}
         return EvalResult(n, total_loss / max(n, 1), metrics)
+
+
+def local_loop(
+    config: RoundConfig, context: TaskContext, default_batch_size: int
+) -> tuple[int, int, torch.Generator]:
+    """A local training loop's `epochs`, `batch_size` and shuffle generator, from the
+    round config (checked) and the context: every rank of a site draws the same order."""
+    epochs = int(config.get("epochs", 1))
+    batch_size = int(config.get("batch_size", default_batch_size))
+    if epochs < 1 or batch_size < 1:
+        raise ConfigError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+    seed = mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
+    return epochs, batch_size, torch.Generator().manual_seed(seed)
 
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:

@@ -41,7 +41,7 @@ from fedtrain.task import (
     TaskContext,
     TrainResult,
     iterate_batches,
-    mix_seed,
+    local_loop,
     sum_over_ranks,
 )
 
@@ -200,19 +200,13 @@ class TransformersTask(Task):
     def train(
         self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
     ) -> TrainResult:
-        epochs = int(config.get("epochs", 1))
-        batch_size = int(config.get("batch_size", 16))
-        if epochs < 1 or batch_size < 1:
-            raise ConfigError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+        epochs, batch_size, gen = local_loop(config, context, default_batch_size=16)
         model.to(context.device).train()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(
             params,
             lr=float(config.get("lr", 1e-3)),
             weight_decay=float(config.get("weight_decay", 0.0)),
-        )
-        gen = torch.Generator().manual_seed(
-            mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
         )
         idle = idle_slots(model, self.site_rank) if self.site_rank < self.lora_rank else []
         total, tokens = 0.0, 0
