@@ -9,6 +9,7 @@ task is a model plus datasets.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from fedtrain.errors import ConfigError, TaskError
 from fedtrain.references import import_reference
 from fedtrain.strategy.base import RoundConfig
-from fedtrain.tensors import TensorSpec, dtype_name
+from fedtrain.tensors import ModelState, TensorSpec, dtype_name
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,19 @@ class Task(ABC):
     #: it is part of the fingerprint that the server checks.
     version: ClassVar[str] = "1"
 
+    #: Which of the model's tensors are federated (downloaded, uploaded, aggregated,
+    #: checkpointed): "all"; "trainable" (the parameters that require grad, e.g. LoRA
+    #: adapters over a frozen base); or a tuple of glob patterns over state-dict names.
+    #: The rest (the frozen base) never travels: every site must hold the same, so the
+    #: fingerprint covers it (`base_revision`, else a hash of its tensors).
+    federated: str | tuple[str, ...] = "all"
+
+    def base_revision(self) -> str | None:
+        """A declared identity of the frozen base (a model revision, a checkpoint's
+        hash) that the fingerprint takes instead of hashing the base's tensors, which
+        costs a pass over a large model at every start. None: hash them."""
+        return None
+
     @abstractmethod
     def model(self) -> nn.Module:
         """A fresh model. Called under a fixed torch seed where determinism matters."""
@@ -176,15 +190,9 @@ class TorchTask(Task):
     def train(
         self, model: nn.Module, data: Dataset, config: RoundConfig, context: TaskContext
     ) -> TrainResult:
-        epochs = int(config.get("epochs", 1))
-        batch_size = int(config.get("batch_size", 32))
-        if epochs < 1 or batch_size < 1:
-            raise ConfigError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+        epochs, batch_size, gen = local_loop(config, context, default_batch_size=32)
         model.to(context.device).train()
         opt = self.optimizer(model, config)
-        gen = torch.Generator().manual_seed(
-            _mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
-        )
         mu = float(config.get("proximal_mu", 0.0))
         anchor = [p.detach().clone() for p in model.parameters()] if mu > 0 else []
         total_loss, seen = 0.0, 0
@@ -208,7 +216,7 @@ class TorchTask(Task):
                 total_loss += float(loss.detach()) * len(y)
                 seen += len(y)
         if context.world_size > 1:
-            total_loss, seen = _sum_over_ranks((total_loss, seen), context.device)
+            total_loss, seen = sum_over_ranks((total_loss, seen), context.device)
         return TrainResult(len(data), {"train_loss": total_loss / max(seen, 1)})
 
     @torch.no_grad()
@@ -227,6 +235,19 @@ class TorchTask(Task):
             n += len(y)
         metrics = {"accuracy": correct / n} if n and classifies else {}
         return EvalResult(n, total_loss / max(n, 1), metrics)
+
+
+def local_loop(
+    config: RoundConfig, context: TaskContext, default_batch_size: int
+) -> tuple[int, int, torch.Generator]:
+    """A local training loop's `epochs`, `batch_size` and shuffle generator, from the
+    round config (checked) and the context: every rank of a site draws the same order."""
+    epochs = int(config.get("epochs", 1))
+    batch_size = int(config.get("batch_size", default_batch_size))
+    if epochs < 1 or batch_size < 1:
+        raise ConfigError(f"epochs and batch_size must be >= 1, got {epochs}, {batch_size}")
+    seed = mix_seed(context.seed, int(config.get("round", 0)), context.client_id)
+    return epochs, batch_size, torch.Generator().manual_seed(seed)
 
 
 def proximal_term(model: nn.Module, anchor: list[torch.Tensor]) -> torch.Tensor:
@@ -286,7 +307,7 @@ def _shard(order: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return order[rank::world_size]
 
 
-def _sum_over_ranks(values: tuple[float, ...], device: torch.device) -> tuple[float, ...]:
+def sum_over_ranks(values: tuple[float, ...], device: torch.device) -> tuple[float, ...]:
     """Element-wise sum over the DDP group (as-is when no process group is running)."""
     if not (dist.is_available() and dist.is_initialized()):
         return values
@@ -305,7 +326,7 @@ def _unwrap(data: Dataset) -> tuple[Dataset, torch.Tensor | None]:
     return data, index
 
 
-def _mix_seed(*parts: object) -> int:
+def mix_seed(*parts: object) -> int:
     """A stable 63-bit seed from several parts (Python's hash() is salted per process)."""
     digest = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -318,19 +339,86 @@ def model_for(task: Task, seed: int) -> nn.Module:
         return task.model()
 
 
-def task_fingerprint(task: Task) -> str:
-    """Identity of a task that server and sites must share: code path, version, model shape.
+def federated_names(task: Task, model: nn.Module) -> tuple[str, ...] | None:
+    """The state-dict names of `model` that travel, in state-dict order (`Task.federated`);
+    None when all of them do (the common case: no filtering anywhere)."""
+    rule = task.federated
+    if rule == "all":
+        return None
+    names = list(model.state_dict())
+    if rule == "trainable":
+        trainable = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
+        chosen = [n for n in names if n in trainable]
+    elif isinstance(rule, (tuple, list)) and all(isinstance(p, str) for p in rule):
+        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in rule)]
+    else:
+        raise ConfigError(
+            f'{type(task).__name__}.federated = {rule!r}: use "all", "trainable" or a '
+            "tuple of glob patterns over the model's state-dict names"
+        )
+    if not chosen:
+        raise ConfigError(
+            f"{type(task).__name__}.federated = {rule!r} selects none of the model's "
+            f"{len(names)} tensors (e.g. {names[:3]}); nothing would be trained together"
+        )
+    return tuple(chosen)
+
+
+def task_fingerprint(task: Task, model: nn.Module | None = None) -> str:
+    """Identity of a task that server and sites must share: code path, version, model
+    shape and, when only part of the model is federated, the frozen rest.
 
     The server never ships code; a site whose installed task differs is refused
-    with a message naming both fingerprints.
+    with a message naming both fingerprints. `model`: the model this process trains
+    (default: the task's model under seed 0); a frozen base that depends on the seed
+    differs between processes with different seeds, and is refused as it should be.
     """
+    model = model if model is not None else model_for(task, 0)
+    own = model.state_dict()
     spec = tuple(  # shapes only: no copy of the model's tensors (it may be large)
-        TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
-        for name, t in model_for(task, 0).state_dict().items()
+        TensorSpec(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in own.items()
     )
     cls = type(task)
     text = f"{cls.__module__}:{cls.__qualname__}|{task.version}|{spec}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+    names = federated_names(task, model)
+    if names is not None:  # a second part, so a mismatch can say which half differs
+        base = f"federated={names}|base={base_identity(task, model, names)}"
+        fingerprint += BASE_MARK + hashlib.sha256(base.encode()).hexdigest()[:16]
+    return fingerprint
+
+
+#: Separates a fingerprint's task half from its frozen-base half.
+BASE_MARK = "+base:"
+
+
+def fingerprint_mismatch(site: str, server: str) -> str:
+    """What differs between two task fingerprints, in words an operator can act on."""
+    site_task, _, site_base = site.partition(BASE_MARK)
+    server_task, _, server_base = server.partition(BASE_MARK)
+    if site_task == server_task and site_base and server_base:
+        return (
+            f"the site's frozen base model differs from the server's (base {site_base} vs "
+            f"{server_base}): every site must load the same base weights (the same "
+            "checkpoint or revision) as the server"
+        )
+    return (
+        f"the site runs task fingerprint {site or '(none)'}, the server {server}: install "
+        "the same task code, version and options at the site"
+    )
+
+
+def base_identity(task: Task, model: nn.Module, federated: tuple[str, ...]) -> str:
+    """The frozen base's identity: the task's declared revision, else a SHA-256 of
+    every tensor that does not travel."""
+    revision = task.base_revision()
+    if revision is not None:
+        return f"revision:{revision}"
+    kept = set(federated)
+    frozen = {n: t for n, t in model.state_dict().items() if n not in kept}
+    return "sha256:" + ModelState(frozen).digest()
 
 
 def load_task(ref: str, options: Mapping[str, Any] | None = None) -> Task:

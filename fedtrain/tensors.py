@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -125,16 +125,25 @@ class ModelState(Mapping[str, torch.Tensor]):
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_module(cls, module: torch.nn.Module) -> ModelState:
+    def from_module(
+        cls, module: torch.nn.Module, names: Collection[str] | None = None
+    ) -> ModelState:
         """Parameters and buffers of a module, in state_dict order (copied to CPU).
 
-        Tensors are cloned so later training of the module cannot change this state.
+        `names`: only these state-dict entries (a task's federated tensors, when a
+        frozen base stays at the site); None: all of them. Tensors are cloned so later
+        training of the module cannot change this state.
         """
-        return cls({k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()})
+        own = select(module.state_dict(), names)
+        return cls({k: v.detach().to("cpu", copy=True) for k, v in own.items()})
 
-    def load_into(self, module: torch.nn.Module) -> None:
-        """Copy this state into a module (on whatever device it lives), strictly."""
-        own = module.state_dict()
+    def load_into(self, module: torch.nn.Module, names: Collection[str] | None = None) -> None:
+        """Copy this state into a module (on whatever device it lives), strictly.
+
+        `names`: the state must hold exactly these entries of the module (its
+        federated tensors; the rest of the module is left as it is); None: all of them.
+        """
+        own = select(module.state_dict(), names)
         if set(own) != set(self._tensors):
             missing = sorted(set(own) - set(self._tensors))
             extra = sorted(set(self._tensors) - set(own))
@@ -212,6 +221,19 @@ class ModelState(Mapping[str, torch.Tensor]):
                 continue
             for off in range(0, len(raw), step):
                 yield Chunk(spec.name, spec.dtype, spec.shape, off, raw[off : off + step])
+
+
+def select(
+    tensors: Mapping[str, torch.Tensor], names: Collection[str] | None
+) -> dict[str, torch.Tensor]:
+    """The entries of `tensors` named in `names` (all when None), in `tensors`' order;
+    a name `tensors` lacks is an error, not a silent omission."""
+    if names is None:
+        return dict(tensors)
+    wanted = set(names)
+    if unknown := sorted(wanted - set(tensors)):
+        raise TensorStreamError(f"no tensors named {unknown[:5]} in the model")
+    return {k: v for k, v in tensors.items() if k in wanted}
 
 
 def chunk_values(chunk: Chunk) -> torch.Tensor:

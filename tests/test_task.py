@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch.utils.data import Subset, TensorDataset
 
-from fedtrain.errors import ConfigError, TaskError
-from fedtrain.examples import BreastCancerTask, DigitsTask
+from fedtrain.errors import ConfigError, TaskError, TensorStreamError
+from fedtrain.examples import BreastCancerTask, DigitsTask, FrozenBaseTask
 from fedtrain.task import (
     TaskContext,
+    federated_names,
+    fingerprint_mismatch,
     iterate_batches,
     load_task,
     model_for,
@@ -153,3 +155,63 @@ def test_fedprox_term_keeps_the_model_near_the_global_one():
         after = ModelState.from_module(model)
         drift[mu] = sum(float((after[k] - start[k]).norm() ** 2) for k in start)
     assert drift[10.0] < 0.5 * drift[0.0]
+
+
+# -- federated parameters -------------------------------------------------------------------
+def test_a_trainable_task_federates_its_head_and_keeps_the_frozen_base_home():
+    task = FrozenBaseTask(num_train=40, num_test=10)
+    model = model_for(task, 0)
+    assert federated_names(task, model) == ("2.weight", "2.bias")
+    state = ModelState.from_module(model, federated_names(task, model))
+    assert list(state) == ["2.weight", "2.bias"]
+    assert federated_names(DigitsTask(), model_for(DigitsTask(), 0)) is None  # "all"
+
+
+def test_glob_patterns_pick_the_federated_tensors_and_a_pattern_matching_none_is_refused():
+    task = FrozenBaseTask(num_train=40, num_test=10)
+    model = model_for(task, 0)
+    task.federated = ("*.bias",)
+    assert federated_names(task, model) == ("0.bias", "2.bias")
+    task.federated = ("lora_*",)
+    with pytest.raises(ConfigError, match="selects none"):
+        federated_names(task, model)
+    task.federated = "adapters"
+    with pytest.raises(ConfigError, match="trainable"):
+        federated_names(task, model)
+
+
+def test_loading_a_federated_state_leaves_the_base_and_refuses_a_state_missing_a_tensor():
+    task = FrozenBaseTask(num_train=40, num_test=10)
+    model, names = model_for(task, 0), ("2.weight", "2.bias")
+    base = model[0].weight.clone()
+    head = ModelState({"2.weight": torch.ones(2, 32), "2.bias": torch.zeros(2)})
+    head.load_into(model, names)
+    assert torch.equal(model[2].weight, torch.ones(2, 32)) and torch.equal(model[0].weight, base)
+    with pytest.raises(TensorStreamError, match=r"missing \['2.bias'\]"):
+        ModelState({"2.weight": torch.ones(2, 32)}).load_into(model, names)
+    with pytest.raises(TensorStreamError, match="unexpected"):
+        head.load_into(model)  # everything expected: the head alone is not a model
+    # a server cannot overwrite the frozen base through the federated state
+    with pytest.raises(TensorStreamError, match=r"unexpected \['0.weight'\]"):
+        ModelState({**head, "0.weight": torch.zeros(32, 20)}).load_into(model, names)
+    assert torch.equal(model[0].weight, base)
+
+
+def test_the_fingerprint_tells_a_different_frozen_base_from_a_different_task():
+    ours = task_fingerprint(FrozenBaseTask(base_seed=0))
+    assert ours == task_fingerprint(FrozenBaseTask(base_seed=0))
+    other_base = task_fingerprint(FrozenBaseTask(base_seed=1))
+    assert other_base != ours
+    assert "frozen base model differs" in fingerprint_mismatch(other_base, ours)
+    other_task = task_fingerprint(FrozenBaseTask(hidden=16))
+    assert "install the same task code" in fingerprint_mismatch(other_task, ours)
+    assert "+base:" not in task_fingerprint(DigitsTask())  # "all": the old 16 hex digits
+
+
+def test_a_declared_base_revision_replaces_hashing_the_base():
+    class Declared(FrozenBaseTask):
+        def base_revision(self) -> str:
+            return "base-v1"
+
+    # the declared revision, not the bits, identifies the base
+    assert task_fingerprint(Declared(base_seed=0)) == task_fingerprint(Declared(base_seed=1))

@@ -2,6 +2,6 @@
 
 from fedtrain.examples.breast_cancer import BreastCancerTask
 from fedtrain.examples.digits import DigitsTask
-from fedtrain.examples.synthetic import SyntheticTask
+from fedtrain.examples.synthetic import FrozenBaseTask, SyntheticTask
 
-__all__ = ["BreastCancerTask", "DigitsTask", "SyntheticTask"]
+__all__ = ["BreastCancerTask", "DigitsTask", "FrozenBaseTask", "SyntheticTask"]

@@ -8,6 +8,8 @@ from a fixed random linear model with numpy under `data_seed`, so every process
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -77,3 +79,32 @@ class SyntheticTask(TorchTask):
         if self.num_test == 0:
             return train, None
         return train, TensorDataset(xs[self.num_train :], ys[self.num_train :])
+
+
+class FrozenBaseTask(SyntheticTask):
+    """SyntheticTask behind a frozen random feature layer: the smallest task whose
+    model is partly federated (`federated = "trainable"`).
+
+    The feature layer is the "base": drawn from `base_seed` (not the torch seed), so
+    every process that builds it with the same `base_seed` holds the same bits, it
+    never trains and never travels; only the head does. A site built with another
+    `base_seed` holds another base, and the fingerprint tells them apart.
+    """
+
+    federated = "trainable"
+
+    def __init__(self, base_seed: int = 0, hidden: int = 32, **options: Any) -> None:
+        super().__init__(**options)
+        self.base_seed = base_seed
+        self.hidden = hidden
+
+    def model(self) -> nn.Module:
+        base = nn.Linear(self.num_features, self.hidden)
+        gen = torch.Generator().manual_seed(self.base_seed)
+        with torch.no_grad():
+            base.weight.copy_(
+                torch.randn(base.weight.shape, generator=gen) / self.num_features**0.5
+            )
+            base.bias.copy_(torch.randn(base.bias.shape, generator=gen))
+        base.requires_grad_(False)
+        return nn.Sequential(base, nn.ReLU(), nn.Linear(self.hidden, self.num_classes))

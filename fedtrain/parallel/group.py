@@ -81,8 +81,9 @@ class WorkerGroup:
         threads_per_worker: int | None = None,
         start_timeout_s: float = 120.0,
         collective_timeout_s: float = 1800.0,
+        sharding: str = "ddp",
     ) -> None:
-        self.spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id)
+        self.spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id, sharding)
         self.spec.check_picklable()
         self.devices = _check_devices(nproc, devices)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
@@ -107,9 +108,10 @@ class WorkerGroup:
         seed: int = 0,
         client_id: str = "local",
         collective_timeout_s: float = 1800.0,
+        sharding: str = "ddp",
     ) -> TorchrunGroup:
         """Rank 0's group when torchrun started this process (see `fedtrain.parallel`)."""
-        spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id)
+        spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id, sharding)
         return TorchrunGroup(spec, collective_timeout_s)
 
     @property

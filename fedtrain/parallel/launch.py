@@ -159,7 +159,9 @@ class TorchrunGroup:
                 {0: self._broken},
                 restarting=False,
             ) from exc
-        return ModelState.from_module(self._ranks.trainer.module), result
+        trained = self._ranks.trainer.trained_state()
+        assert trained is not None  # rank 0
+        return ModelState({k: v.detach().to("cpu", copy=True) for k, v in trained.items()}), result
 
     def close(self) -> None:
         """Tell the followers to stop and leave the group; idempotent."""
@@ -181,13 +183,14 @@ def follower_main(
     seed: int = 0,
     client_id: str = "local",
     collective_timeout_s: float = 1800.0,
+    sharding: str = "ddp",
 ) -> int:
     """Run a non-zero torchrun rank: train whenever rank 0 says so, until it says stop.
 
     Takes the same task, data, seed and client id as rank 0's group (the same
     site.toml on every machine). Returns the process exit code.
     """
-    spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id)
+    spec = GroupSpec(task_ref, dict(task_options or {}), data, seed, client_id, sharding)
     ranks = _Ranks(spec, collective_timeout_s)
     if ranks.rank == 0:
         ranks.close()
@@ -196,6 +199,7 @@ def follower_main(
         rounds = 0
         while (command := ranks.receive())["command"] == "train":
             ranks.trainer.train(command["config"], None, command["seed"])
+            ranks.trainer.trained_state()  # rank 0 gathers a sharded model: join in
             rounds += 1
         log.info("rank %d stops after %d round(s)", ranks.rank, rounds)
         return 0

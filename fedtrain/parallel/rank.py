@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -19,9 +19,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from fedtrain.errors import ConfigError
+from fedtrain.parallel.sharding import gather_federated, scatter_federated, shard_module
 from fedtrain.strategy.base import RoundConfig
-from fedtrain.task import Task, TaskContext, TrainResult, load_task, model_for
-from fedtrain.tensors import ModelState
+from fedtrain.task import Task, TaskContext, TrainResult, federated_names, load_task, model_for
+from fedtrain.tensors import ModelState, select
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class GroupSpec:
     data: DataFactory | None = None
     seed: int = 0
     client_id: str = "local"
+    #: "ddp": every rank holds the whole model; "fsdp": the ranks shard it (see
+    #: `fedtrain.parallel.sharding`).
+    sharding: str = "ddp"
 
     def check_picklable(self) -> None:
         """Fail in the daemon, not in a worker, when the spec cannot travel."""
@@ -75,8 +79,13 @@ class RankTrainer:
         self.data = spec.data(self.task) if spec.data is not None else self.task.datasets()[0]
         # Same seed on every rank; DDP also broadcasts rank 0's weights when it wraps.
         self.module = model_for(self.task, spec.seed).to(device)
+        #: The tensors that travel (None: all); only they come in and go out.
+        self.federated = federated_names(self.task, self.module)
+        self.sharded = spec.sharding == "fsdp" and world_size > 1
         self.model: nn.Module = self.module
-        if world_size > 1:
+        if self.sharded:  # in place: the task trains the sharded module itself
+            shard_module(self.module, device, world_size)
+        elif world_size > 1:
             device_ids = [device.index or 0] if device.type == "cuda" else None
             self.model = DistributedDataParallel(self.module, device_ids=device_ids)
         self.context = TaskContext(
@@ -92,18 +101,29 @@ class RankTrainer:
         `seed` (the same on every rank) replaces the context's seed for this round: a
         site draws a fresh one per job, so a re-run of a round never repeats an update.
         """
-        if self.rank == 0:
-            if global_state is None:
-                raise ValueError("rank 0 needs the global state")
-            global_state.load_into(self.module)
-        if self.world_size > 1:
-            broadcast_module(self.module)
+        if self.sharded:
+            scatter_federated(self.module, global_state, self.federated, self.rank)
+        else:
+            if self.rank == 0:
+                if global_state is None:
+                    raise ValueError("rank 0 needs the global state")
+                global_state.load_into(self.module, self.federated)
+            if self.world_size > 1:
+                broadcast_module(self.module, self.federated)
         context = self.context if seed is None else replace(self.context, seed=seed)
         return self.task.train(self.model, self.data, dict(config), context)
 
+    def trained_state(self) -> Mapping[str, torch.Tensor] | None:
+        """The federated tensors after training, on rank 0 (views of the live weights
+        unless sharded); None elsewhere. Every rank calls it: sharded, it gathers."""
+        if self.sharded:
+            return gather_federated(self.module, self.federated, self.rank)
+        return select(self.module.state_dict(), self.federated) if self.rank == 0 else None
+
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module) -> None:
-    """Every parameter and buffer from rank 0 to all ranks, in place."""
-    for tensor in module.state_dict().values():
+def broadcast_module(module: nn.Module, names: Collection[str] | None = None) -> None:
+    """The federated parameters and buffers (`names`; None: all) from rank 0 to all
+    ranks, in place; a frozen base is the same on every rank already."""
+    for tensor in select(module.state_dict(), names).values():
         dist.broadcast(tensor, src=0)

@@ -7,13 +7,13 @@ pickled per round and the block is allocated once per group, not once per round.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch import nn
 
 from fedtrain.errors import TensorStreamError
-from fedtrain.tensors import ModelState, TensorSpec, dtype_name, torch_dtype
+from fedtrain.tensors import ModelState, TensorSpec, dtype_name, select, torch_dtype
 
 _ALIGN = 64  # bytes; every dtype view of the block starts aligned
 
@@ -35,11 +35,12 @@ class SharedState:
             offset += -(-spec.nbytes // _ALIGN) * _ALIGN
 
     @classmethod
-    def like(cls, module: nn.Module) -> SharedState:
-        """A block shaped like `module`'s state_dict, in shared memory."""
+    def like(cls, module: nn.Module, names: Collection[str] | None = None) -> SharedState:
+        """A block shaped like `module`'s state_dict (its entries `names`; None: all),
+        in shared memory."""
         specs = tuple(
             TensorSpec(name, dtype_name(t.dtype), tuple(t.shape))
-            for name, t in module.state_dict().items()
+            for name, t in select(module.state_dict(), names).items()
         )
         size = sum(-(-s.nbytes // _ALIGN) * _ALIGN for s in specs)
         return cls(torch.zeros(size, dtype=torch.uint8).share_memory_(), specs)

@@ -64,7 +64,7 @@ def worker_main(rank: int, device_name: str, config: WorkerConfig, conn: Connect
                 timeout=timeout,
             )  # fmt: skip
         trainer = RankTrainer(config.spec, rank, world_size, device)
-        shared = SharedState.like(trainer.module) if rank == 0 else None
+        shared = SharedState.like(trainer.module, trainer.federated) if rank == 0 else None
         conn.send(("ready", rank, shared))
         _serve(trainer, shared, conn)
     except EOFError:  # the daemon closed our pipe: it is gone or closing
@@ -87,8 +87,9 @@ def _serve(trainer: RankTrainer, shared: SharedState | None, conn: Connection) -
             return
         _, config, seed = command
         result = trainer.train(config, shared.as_state() if shared is not None else None, seed)
-        if shared is not None:
-            shared.write(trainer.module.state_dict())
+        trained = trainer.trained_state()  # a collective when the model is sharded
+        if shared is not None and trained is not None:
+            shared.write(trained)
         conn.send(("done", trainer.rank, result if trainer.rank == 0 else None))
 
 

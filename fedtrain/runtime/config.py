@@ -438,6 +438,13 @@ class SiteConfig:
         "Train each round with DDP on this many CPU worker processes (gloo); 1 trains in "
         "the daemon's own process. Set `devices` or `nproc`, not both.",
     )
+    sharding: Literal["ddp", "fsdp"] = option(
+        "ddp",
+        "How a worker group (`devices`, `nproc` or torchrun) holds the model: `ddp`, a "
+        "whole copy per rank; `fsdp`, sharded across the ranks (torch FSDP2, one unit per "
+        "block of the model's ModuleLists) for a model too large for one device; only the "
+        "federated tensors are gathered, on rank 0, for the upload.",
+    )
     exit_when_done: bool = option(
         False,
         "Exit (status 0) when the server says its run is complete, instead of waiting for "

@@ -22,7 +22,14 @@ from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.worker import WorkerSetup
-from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device
+from fedtrain.task import (
+    EvalResult,
+    Task,
+    TaskContext,
+    federated_names,
+    model_for,
+    resolve_device,
+)
 from fedtrain.tensors import ModelState
 
 #: on_progress(round, clients done, clients training this round)
@@ -63,7 +70,7 @@ def prepare(config: SimConfig, task: Task) -> Prepared:
     population = ClientPopulation.build(task, train, config)
     heterogeneity = Heterogeneity(config.heterogeneity, len(population), config.seed)
     model = model_for(task, config.seed).to(resolve_device(config.device))
-    global_state = ModelState.from_module(model)
+    global_state = ModelState.from_module(model, federated_names(task, model))
     setup = WorkerSetup(task, config, global_state.specs)
     return Prepared(run_dir, train, test, population, heterogeneity, model, global_state, setup)
 
@@ -92,7 +99,7 @@ def evaluate(
     task: Task, model: nn.Module, state: ModelState, test: Dataset, config: SimConfig
 ) -> EvalResult:
     """`state` evaluated on the test set, in the driver's model object."""
-    state.load_into(model)
+    state.load_into(model, federated_names(task, model))
     context = TaskContext(
         device=resolve_device(config.device), client_id="server", seed=config.seed
     )

@@ -27,7 +27,14 @@ from fedtrain.simulation.events import ClientResult, ClientsDone, ShareDone, Wor
 from fedtrain.simulation.plan import ClientWork
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.strategy import RoundConfig, WeightedSum, compute_delta
-from fedtrain.task import SiteData, Task, TaskContext, model_for, resolve_device
+from fedtrain.task import (
+    SiteData,
+    Task,
+    TaskContext,
+    federated_names,
+    model_for,
+    resolve_device,
+)
 from fedtrain.tensors import ModelState, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -74,6 +81,9 @@ class ClientRunner:
             data = (train, ClientPopulation.build(self.task, train, setup.config))
         self.train_data, self.population = data
         self.model = model_for(self.task, self.seed).to(self.device)
+        #: The tensors that travel (None: all); a frozen base stays in this worker's
+        #: one model, shared by every client it runs.
+        self.federated = federated_names(self.task, self.model)
         self.states = ClientStateStore()
         self.codec = setup.config.compression.build()
         self.codec_states = ClientStateStore()  # e.g. top-k residuals, apart from the task's
@@ -124,7 +134,7 @@ class ClientRunner:
     ) -> ClientResult:
         """One client's local training from the global model; returns its update."""
         self.current_client = client_id
-        global_state.load_into(self.model)
+        global_state.load_into(self.model, self.federated)
         state = self.states.get(client_id)
         context = TaskContext(
             device=self.device, client_id=client_id, seed=self.seed, client_state=state
@@ -132,7 +142,7 @@ class ClientRunner:
         data = self.client_data(client_id).train
         result = self.task.train(self.model, data, config, context)
         self.states.put(client_id, state)
-        delta = compute_delta(ModelState.from_module(self.model), global_state)
+        delta = compute_delta(ModelState.from_module(self.model, self.federated), global_state)
         delta, upload_bytes = self.over_the_wire(client_id, delta)
         return ClientResult(
             client_id, result.num_examples, dict(result.metrics), delta, upload_bytes=upload_bytes
@@ -157,7 +167,7 @@ class ClientRunner:
         test = self.client_data(client_id).test
         if test is None or len(test) == 0:  # type: ignore[arg-type]
             return ClientResult(client_id, 0, rejected="holds no held-out examples")
-        global_state.load_into(self.model)
+        global_state.load_into(self.model, self.federated)
         context = TaskContext(device=self.device, client_id=client_id, seed=self.seed)
         result = self.task.evaluate(self.model, test, config, context)
         try:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from fedtrain.task import TaskContext, TorchTask, TrainResult, model_for
+from fedtrain.task import TaskContext, TorchTask, TrainResult, federated_names, model_for
 from fedtrain.tensors import ModelState
 
 SEED, SITE = 3, "site-a"
@@ -46,29 +46,63 @@ class ToyTask(TorchTask):
         return super().train(model, data, config, context)
 
 
+class BlockNet(nn.Module):
+    """Two blocks in a ModuleList (FSDP's units) and a head; the first block is frozen."""
+
+    def __init__(self, features: int, classes: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [
+                nn.Sequential(nn.Linear(features, 16), nn.Tanh()),
+                nn.Sequential(nn.Linear(16, 16), nn.Tanh()),
+            ]
+        )
+        self.head = nn.Linear(16, classes)
+        self.blocks[0].requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class BlocksTask(ToyTask):
+    """ToyTask's problem on `BlockNet`: only the trainable block and the head travel."""
+
+    federated = "trainable"
+
+    def model(self) -> nn.Module:
+        return BlockNet(self.features, self.classes)
+
+
 def first_half(task: ToyTask) -> Dataset:
     """A data factory, as a site daemon passes one (module-level, so it pickles)."""
     train, _ = task.datasets()
     return torch.utils.data.Subset(train, list(range(len(train) // 2)))
 
 
-def global_state() -> ModelState:
+def global_state(task: ToyTask | None = None) -> ModelState:
     """A round's global model (not the workers' initial one, so loading it matters)."""
-    return ModelState.from_module(model_for(ToyTask(), 11))
+    task = task or ToyTask()
+    model = model_for(task, 11)
+    return ModelState.from_module(model, federated_names(task, model))
 
 
-def one_process_twice_the_batch(n: int = 96) -> tuple[ModelState, TrainResult]:
+def one_process_twice_the_batch(
+    n: int = 96, task_class: type[ToyTask] = ToyTask
+) -> tuple[ModelState, TrainResult]:
     """TorchTask's unchanged single-process loop with batch 2 x CONFIG's, from global_state().
 
     With n divisible by 2 there is no padding, and each of its steps takes exactly
     the examples that ranks 0 and 1 take together in the same DDP step.
     """
-    task = ToyTask(n=n)
-    model = model_for(task, 0)
-    global_state().load_into(model)
+    task = task_class(n=n)
+    model = model_for(task, SEED)  # the ranks' own frozen base: they build it under SEED
+    names = federated_names(task, model)
+    global_state(task).load_into(model, names)
     config = {**CONFIG, "batch_size": 2 * CONFIG["batch_size"]}
     result = task.train(model, task.datasets()[0], config, TaskContext(seed=SEED, client_id=SITE))
-    return ModelState.from_module(model), result
+    return ModelState.from_module(model, names), result
 
 
 def assert_same_model(a: ModelState, b: ModelState) -> None:

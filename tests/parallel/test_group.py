@@ -23,7 +23,7 @@ from _ddp_tasks import (
 
 from fedtrain.errors import WorkerGroupError
 from fedtrain.parallel import WorkerGroup
-from fedtrain.task import _mix_seed, model_for
+from fedtrain.task import mix_seed, model_for
 from fedtrain.tensors import ModelState
 
 pytestmark = pytest.mark.integration
@@ -118,7 +118,7 @@ def test_uneven_shards_pad_like_distributed_sampler():
     model = model_for(task, 0)
     global_state().load_into(model)
     opt = task.optimizer(model, config)
-    perm = torch.randperm(23, generator=torch.Generator().manual_seed(_mix_seed(SEED, 1, SITE)))
+    perm = torch.randperm(23, generator=torch.Generator().manual_seed(mix_seed(SEED, 1, SITE)))
     padded = torch.cat([perm, perm[:1]])
     x, y = data.dataset.tensors[0][data.indices], data.dataset.tensors[1][data.indices]
     for rows in padded.split(8):

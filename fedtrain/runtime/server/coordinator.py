@@ -57,8 +57,16 @@ from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
 from fedtrain.strategy.aggregate import Aggregator
-from fedtrain.task import EvalResult, Task, TaskContext, model_for, resolve_device, task_fingerprint
-from fedtrain.tensors import ModelState
+from fedtrain.task import (
+    EvalResult,
+    Task,
+    TaskContext,
+    federated_names,
+    model_for,
+    resolve_device,
+    task_fingerprint,
+)
+from fedtrain.tensors import ModelState, select
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +137,11 @@ class Coordinator:
         self.registry = registry
         self.audit = audit
         self.on_round = on_round
-        self.fingerprint = task_fingerprint(task)
         self.device = resolve_device(config.device)
         self._eval_model = model_for(task, config.seed).to(self.device)
+        self.fingerprint = task_fingerprint(task, self._eval_model)
+        #: The tensors that travel (None: all); a frozen base stays out of the global model.
+        self.federated = federated_names(task, self._eval_model)
         #: The task's test set, loaded only where the server may evaluate on it.
         self.test_data = task.datasets()[1] if config.evaluate in ("auto", "server") else None
         self.evaluate_at = self._where_to_evaluate(config, strategy)
@@ -155,7 +165,7 @@ class Coordinator:
         if resume:
             self.global_model, self.run_id = self._load_checkpoint()
         else:
-            state = ModelState.from_module(self._eval_model)
+            state = ModelState.from_module(self._eval_model, self.federated)
             self.global_model = GlobalModel(0, new_model_version(), state)
             self.run_id = uuid.uuid4().hex[:12]  # an identifier, not a secret
         self._bind_eval_model(self.global_model.state)
@@ -267,7 +277,8 @@ class Coordinator:
                 f"fingerprint {fingerprint}, but task = {self.config.task!r} here has "
                 f"{self.fingerprint}; resume with the task the run started with"
             )
-        expected = ModelState(self._eval_model.state_dict()).specs  # no copy on the CPU
+        # no copy on the CPU
+        expected = ModelState(select(self._eval_model.state_dict(), self.federated)).specs
         if state.specs != expected:
             raise ConfigError(
                 f"cannot resume {self.run_dir.path}: the checkpointed model's tensors differ "
@@ -289,9 +300,11 @@ class Coordinator:
         Evaluation must not write to the model (the Task contract).
         """
         if self.device.type == "cpu":
-            self._eval_model.load_state_dict(dict(state.items()), assign=True)
+            self._eval_model.load_state_dict(
+                dict(state.items()), assign=True, strict=self.federated is None
+            )
         else:
-            state.load_into(self._eval_model)
+            state.load_into(self._eval_model, self.federated)
 
     # -- thread ---------------------------------------------------------------------------
     def run(self) -> None:

@@ -57,6 +57,7 @@ from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistr
 from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.runtime.server.weights import WeightDecision, WeightPolicy, WeightRefused
+from fedtrain.task import fingerprint_mismatch
 from fedtrain.tensors import Chunk
 
 log = logging.getLogger(__name__)
@@ -266,10 +267,8 @@ class FedtrainServicer:
         if join.task_fingerprint != self.coordinator.fingerprint:
             return Refusal(
                 "task_fingerprint",
-                f"task fingerprint mismatch: site {site!r} runs fingerprint "
-                f"{join.task_fingerprint or '(none)'}, the server runs "
-                f"{self.coordinator.fingerprint} (task = {self.config.task!r}); install the "
-                "same task code and version at the site",
+                f"task fingerprint mismatch for site {site!r} (task = {self.config.task!r}): "
+                + fingerprint_mismatch(join.task_fingerprint, self.coordinator.fingerprint),
             )
         if self.config.secagg.enabled and wire.SECAGG_CAPABILITY not in join.capabilities:
             return Refusal(

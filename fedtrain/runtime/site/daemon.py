@@ -63,12 +63,19 @@ from fedtrain.task import (
     Task,
     TaskContext,
     TrainResult,
+    federated_names,
     load_task,
     model_for,
     resolve_device,
     task_fingerprint,
 )
-from fedtrain.tensors import Chunk, ModelState, chunk_values, torch_dtype
+from fedtrain.tensors import (
+    Chunk,
+    ModelState,
+    chunk_values,
+    select,
+    torch_dtype,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +177,6 @@ class SiteDaemon:
                 require_consistency_check=config.require_consistency_check,
             )
         self.task = task or load_task(config.task, config.task_options)
-        self.fingerprint = task_fingerprint(self.task)
         #: DDP workers that train every round, kept across rounds and reconnects (started
         #: by `run()`); None: the daemon trains in its own process.
         self.group = worker_group(config, self.name)
@@ -200,6 +206,12 @@ class SiteDaemon:
             else:
                 self.data = data
             self.model = model_for(self.task, config.seed).to(self.device)
+        # Over the model this site trains: its frozen base (if any) is what must match.
+        self.fingerprint = task_fingerprint(
+            self.task, self.model if self.model is not None else model_for(self.task, config.seed)
+        )
+        #: The tensors that travel (None: all of them; see `Task.federated`).
+        self.federated = None if self.model is None else federated_names(self.task, self.model)
         self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
         #: Model downloads actually made (cache hits are not downloads).
         self.downloads = 0
@@ -572,7 +584,7 @@ class SiteDaemon:
         try:
             global_state = self.fetch_model(link, instruction.model_version)
             assert self.model is not None
-            global_state.load_into(self.model)
+            global_state.load_into(self.model, self.federated)
             ev = self._held_out(
                 wire.config_from_proto(instruction.config), instruction.model_version
             )
@@ -631,9 +643,9 @@ class SiteDaemon:
                 global_state, config, timeout_s=train_timeout_s(deadline_unix), seed=seed
             )
         assert self.model is not None and self.data is not None
-        global_state.load_into(self.model)
+        global_state.load_into(self.model, self.federated)
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
-        return ModelState(self.model.state_dict()), result
+        return ModelState(select(self.model.state_dict(), self.federated)), result
 
     def fetch_model(self, link: Link, version: str) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks (only

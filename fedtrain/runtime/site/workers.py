@@ -77,8 +77,9 @@ def worker_group(config: SiteConfig, site_name: str) -> WorkerGroup | TorchrunGr
     if launched_by_torchrun():
         _check_torchrun(config)
         return WorkerGroup.from_env(
-            config.task, config.task_options, data=data, seed=config.seed, client_id=site_name
-        )
+            config.task, config.task_options, data=data, seed=config.seed, client_id=site_name,
+            sharding=config.sharding,
+        )  # fmt: skip
     return WorkerGroup(
         config.task,
         config.task_options,
@@ -87,6 +88,7 @@ def worker_group(config: SiteConfig, site_name: str) -> WorkerGroup | TorchrunGr
         client_id=site_name,
         devices=config.devices or None,
         nproc=None if config.devices else config.nproc,
+        sharding=config.sharding,
     )
 
 
@@ -101,6 +103,7 @@ def run_follower(config: SiteConfig, site_name: str) -> int:
         data=site_data_factory(config, site_name),
         seed=config.seed,
         client_id=site_name,
+        sharding=config.sharding,
     )
 
 
