@@ -114,6 +114,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"final accuracy: {final['accuracy']:.4f} ({how}: {sites} sites' held-out data)")
     if final.get("worst_accuracy") is not None:
         print(f"worst site: {final['worst_site']}, accuracy {final['worst_accuracy']:.4f}")
+    elif result.site_accuracy:  # secure: the server never saw it; each site logged its own
+        worst = min(result.site_accuracy, key=result.site_accuracy.__getitem__)
+        print(
+            f"worst site: {worst}, accuracy {result.site_accuracy[worst]:.4f} (from its own "
+            "log: under secure aggregation the server learns only the federation's totals)"
+        )
     return 0
 
 

@@ -13,9 +13,10 @@ The server holds no data: each site holds out a fifth of its digits, and every r
 the sites evaluate the new global model on them (federated evaluation,
 `evaluate = "sites"`). Under secure aggregation the evaluation is secure too: the
 sites' loss sums, correct counts and example counts are masked like their updates,
-so the server records the federation's accuracy and nothing per site, and the demo
-ends with the final federated accuracy. Without secure aggregation (`--no-secagg`)
-the server also records each site's accuracy, and the demo names the worst site.
+so the server records the federation's accuracy and nothing per site. The demo runs
+every site, so it reads each site's own log and also names the worst site (what a
+federation's operator learns only by asking the sites). Without secure aggregation
+(`--no-secagg`) the server records each site's accuracy itself.
 
 A site that dies mid-round is a dropout: secure aggregation over four sites tolerates
 one, and the round completes with the other three (`min_fit_clients = 3`). The demo
@@ -32,7 +33,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,29 @@ DIGITS = {
 DEMO_SECAGG = {"enabled": True, "clip": 1.0, "max_clients": 16, "max_weight": 10_000.0}
 
 
+#: What a site daemon logs after evaluating a model on its held-out set
+#: (`SiteDaemon._held_out`): version, examples, loss, accuracy.
+HELD_OUT_LINE = re.compile(
+    r"model (\w+) on the held-out set \((\d+) examples\): loss (\S+) \{'accuracy': ([^,}]+)"
+)
+
+
+def sites_own_accuracy(logs: Path, names: Sequence[str]) -> dict[str, float]:
+    """Each site's accuracy on its own held-out set for the last model version most of
+    them evaluated, read from the sites' own logs. The demo runs every site, so it may
+    read them; under secure aggregation the server never learns these figures."""
+    last: dict[str, tuple[str, float]] = {}
+    for name in names:
+        path = logs / f"{name}.log"
+        found = HELD_OUT_LINE.findall(path.read_text(errors="replace")) if path.exists() else []
+        if found:
+            last[name] = (found[-1][0], float(found[-1][3]))
+    if not last:
+        return {}
+    final = Counter(version for version, _ in last.values()).most_common(1)[0][0]
+    return {name: acc for name, (version, acc) in last.items() if version == final}
+
+
 class DemoFailed(FedtrainError):
     """A demo process failed; the message carries the end of its log."""
 
@@ -71,6 +96,8 @@ class DemoResult:
     seconds: float = 0.0
     directory: Path | None = None
     secagg: bool = True
+    #: Each site's final accuracy from its own log (`sites_own_accuracy`).
+    site_accuracy: dict[str, float] = field(default_factory=dict)
 
     @property
     def final_accuracy(self) -> float | None:
@@ -279,4 +306,5 @@ def run_demo(
         if code != 0:
             raise DemoFailed(f"the server exited with status {code}:\n{tail(logs / 'server.log')}")
     result.seconds = time.perf_counter() - started
+    result.site_accuracy = sites_own_accuracy(logs, [path.stem for path in site_tomls])
     return result

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from runtime_support import assert_gone, wait_for
 
-from fedtrain.runtime.demo import run_demo
+from fedtrain.runtime.demo import run_demo, sites_own_accuracy
 from fedtrain.runtime.server.audit import read_audit
 
 
@@ -34,7 +34,15 @@ def test_demo_runs_a_real_federation_and_cleans_up(tmp_path: Path) -> None:
     # the server holds no data: the sites evaluated under masks, so no site is named
     last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["eval_source"] == "sites" and last["eval_secure"] is True
-    assert "site_metrics" not in last and "worst site" not in out.stdout
+    assert "site_metrics" not in last and "worst_site" not in last
+    # ...and the demo, which runs every site, names the worst from the sites' own logs
+    own = sites_own_accuracy(tmp_path / "logs", [f"site-{i}" for i in range(4)])
+    worst = min(own, key=own.__getitem__)
+    assert (
+        len(own) == 4
+        and f"worst site: {worst}, accuracy {own[worst]:.4f} (from its own log" in out.stdout
+    )
+    assert f"{own[worst]:.4f}" not in (tmp_path / "logs" / "server.log").read_text()
     server_log = (tmp_path / "logs" / "server.log").read_text()
     assert "TLS, sites prove their certificates at join" in server_log and "run" in server_log
     # Secure aggregation is the demo's default: only masked updates reach the server.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from runtime_support import Deployment, wait_for
 
-from fedtrain.runtime.demo import fedtrain_command
+from fedtrain.runtime.demo import HELD_OUT_LINE, fedtrain_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -136,11 +136,6 @@ def test_cross_site_validation_evaluates_the_final_model_at_every_site(tmp_path:
     assert audited["sites"] == list(SITES[:2])
 
 
-BY_VERSION = re.compile(
-    r"model (\w+) on the held-out set \((\d+) examples\): loss (\S+) \{'accuracy': ([^}]+)\}"
-)
-
-
 def test_local_models_of_consenting_sites_are_evaluated_at_every_site(tmp_path: Path):
     """The FLARE matrix: hospital-a and -b consent (share_local_model), -c does not; each
     consenting site's last local model is evaluated at all three, -c's never leaves the
@@ -168,7 +163,7 @@ def test_local_models_of_consenting_sites_are_evaluated_at_every_site(tmp_path: 
     versions = [row["model_version"] for row in matrix["models"].values()]
     assert len(set(versions)) == 3
     measured = {
-        name: {v: tuple(map(float, m)) for v, *m in BY_VERSION.findall(logs[name])}
+        name: {v: tuple(map(float, m)) for v, *m in HELD_OUT_LINE.findall(logs[name])}
         for name in SITES
     }
     for row in matrix["models"].values():

@@ -12,7 +12,6 @@ appears anywhere on the server (its log, metrics.jsonl, the audit log).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +20,13 @@ from runtime_support import Deployment, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.runtime.config import SecAggServerSettings
-from fedtrain.runtime.demo import fedtrain_command
+from fedtrain.runtime.demo import HELD_OUT_LINE, fedtrain_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SITES = ("hospital-a", "hospital-b", "hospital-c")
 TASK = "runtime_support:HeldOutTask"
 SECAGG = {"enabled": True, "clip": 4.0, "max_clients": 8, "max_weight": 1000.0}
-HELD_OUT = re.compile(
-    r"model (\w+) on the held-out set \((\d+) examples\): loss (\S+) \{'accuracy': ([^}]+)\}"
-)
 
 
 def site_data(i: int) -> dict[str, Any]:
@@ -46,7 +42,7 @@ def site_data(i: int) -> dict[str, Any]:
 
 def measured(log: str) -> dict[str, tuple[int, float, float]]:
     """What a site measured, by model version prefix: (examples, loss, accuracy)."""
-    return {v: (int(n), float(loss), float(acc)) for v, n, loss, acc in HELD_OUT.findall(log)}
+    return {v: (int(n), float(loss), float(acc)) for v, n, loss, acc in HELD_OUT_LINE.findall(log)}
 
 
 def test_sites_evaluate_under_masks_and_no_site_figure_reaches_the_server(tmp_path: Path):
