@@ -197,6 +197,13 @@ class ServerConfig:
         "site's stream simply waits), so upload journals and files stay bounded whatever "
         "the number of sites.",
     )
+    upload_grace_s: float = option(
+        180.0,
+        "How long the server keeps the part of an upload it received when the upload's "
+        "stream breaks (a link outage): the site resumes from there within this time, "
+        "sending only the rest; later it starts again from zero. Keep it above "
+        "heartbeat.timeout_s + heartbeat.grace_s, the longest a site may be away.",
+    )
     cpu_threads: int = option(
         2,
         "Threads for the server's CPU work (validating and folding chunks, protocol "
@@ -249,7 +256,7 @@ class ServerConfig:
             raise ConfigError(
                 f"max_sites must be >= 0 (0: from the file limit), got {self.max_sites}"
             )
-        _positive(self, "round_timeout_s", "eval_timeout_s")
+        _positive(self, "round_timeout_s", "eval_timeout_s", "upload_grace_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
         if not 0 <= self.metrics_port <= 65535:

@@ -271,6 +271,7 @@ class AggregationServer:
             await asyncio.sleep(self.config.heartbeat.interval_s)
             self.audit.flush_refusals()
             self.servicer.repace()
+            self.servicer.sweep_uploads()
             for session in self.registry.silent():
                 log.warning(
                     "site %r sent nothing for %.0fs (its heartbeat timeout); disconnecting it",

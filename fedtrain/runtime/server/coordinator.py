@@ -80,6 +80,9 @@ class TransferCounter:
         self._lock = threading.Lock()
         self._in = 0
         self._out = 0
+        #: Of the bytes in: those of updates the round took, and those thrown away
+        #: (refused, broken off and not resumed, too late); counted when settled.
+        self._settled = {"accepted": 0, "discarded": 0}
         #: Since the server started, never reset (Prometheus counters read these).
         self.total_in = 0
         self.total_out = 0
@@ -91,11 +94,24 @@ class TransferCounter:
             self.total_in += received
             self.total_out += sent
 
+    def settle(self, accepted: int = 0, discarded: int = 0) -> None:
+        """An upload's bytes ended up in the round (`accepted`) or were thrown away."""
+        with self._lock:
+            self._settled["accepted"] += accepted
+            self._settled["discarded"] += discarded
+
     def take(self) -> tuple[int, int]:
         """(bytes in, bytes out) since the last call."""
         with self._lock:
             out = self._in, self._out
             self._in = self._out = 0
+            return out
+
+    def take_settled(self) -> dict[str, int]:
+        """Bytes in accepted and discarded since the last call."""
+        with self._lock:
+            out = dict(self._settled)
+            self._settled = dict.fromkeys(self._settled, 0)
             return out
 
 
@@ -537,7 +553,14 @@ class Coordinator:
     def transfer_metrics(self) -> dict[str, int]:
         """Tensor bytes in and out since the last record."""
         bytes_in, bytes_out = self.transfers.take()
-        return {"bytes": bytes_in + bytes_out, "bytes_in": bytes_in, "bytes_out": bytes_out}
+        settled = self.transfers.take_settled()
+        return {
+            "bytes": bytes_in + bytes_out,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "bytes_in_accepted": settled["accepted"],
+            "bytes_in_discarded": settled["discarded"],
+        }
 
     def evaluate_into(self, record: dict[str, Any]) -> None:
         """Set the record's loss and accuracy (and the keys of `fedtrain.evaluation`):

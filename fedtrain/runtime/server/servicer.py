@@ -49,6 +49,7 @@ from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
+from fedtrain.runtime.server.resumable import HeldUpload, HeldUploads, Superseded, header_terms
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
@@ -116,11 +117,16 @@ class FedtrainServicer:
         self.weights = WeightPolicy(config.weights)
         self._transfer_slots: asyncio.Semaphore | None = None
         self._downloads = SharedDownloads(config.chunk_bytes)
+        #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
+        self.held = HeldUploads(config.upload_grace_s)
+        registry.on_leave(self.site_gone)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def transfer_slots(self) -> asyncio.Semaphore:
         """`max_transfers` slots, created on the server's loop at first use."""
         if self._transfer_slots is None:
+            self._loop = asyncio.get_running_loop()
             self._transfer_slots = asyncio.Semaphore(self.config.max_transfers)
         return self._transfer_slots
 
@@ -521,29 +527,77 @@ class FedtrainServicer:
                     f"{where}: no round is in progress; update dropped",
                 )
             self._check_header(state, header, where)
-            await self._run(state.admit, session, header.round, header.model_version)
+            if header.resume_id:
+                held = await self._run(self.held.claim, header.resume_id, session, header, state)
+            else:
+                await self._run(self._restart, session.site)
+                await self._run(state.admit, session, header.round, header.model_version)
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
-        weight = None if header.masked else await self._weigh(state, session, header, context)
-        async with self.transfer_slots:
-            await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
+        if not header.resume_id:
+            weight = None if header.masked else await self._weigh(state, session, header, context)
+            held = self._new_upload(state, session, header, weight)
+        try:
+            await self.transfer_slots.acquire()
+        except asyncio.CancelledError:  # the site went away while its upload waited
+            held.abandoned_before_start()
+            raise
+        try:
             try:
-                if weight is None:
-                    assert isinstance(state, SecureRoundState)
-                    received = await self._receive_masked(state, session, header, request_iterator)
-                else:
-                    received = await self._receive(state, session, header, weight, request_iterator)
-            except (grpc.RpcError, asyncio.CancelledError):
-                log.warning("%s: the upload stream broke off; partial update discarded", where)
-                self.audit.record("upload_aborted", site=session.site, round=header.round)
-                await asyncio.shield(self._run(state.abandon, session.site))
-                return pb.UploadReceipt()
+                generation, offset, superseded = await self._run(
+                    held.attach, asyncio.current_task()
+                )
+            except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
+                await self._refuse(
+                    context,
+                    session,
+                    header.round,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{where}: the upload was discarded before it could resume",
+                )
+            if superseded is not None:  # its connection looked open, but the site moved on
+                superseded.cancel()
+            if offset:
+                log.info("%s: upload resumes at byte %d", where, offset)
+                self.audit.record(
+                    "upload_resumed", site=session.site, round=header.round, offset=offset
+                )
+            await context.send_initial_metadata(
+                (
+                    (wire.UPLOAD_GO_AHEAD, "1"),
+                    (wire.UPLOAD_ID, held.id),
+                    (wire.UPLOAD_OFFSET, str(offset)),
+                )
+            )
+            try:
+                received = await self._receive(
+                    state, session, header, held, generation, request_iterator
+                )
+            except (grpc.RpcError, asyncio.CancelledError, Superseded):
+                if await asyncio.shield(self._run(held.detach, generation)):
+                    log.warning(
+                        "%s: the upload stream broke off at byte %d; kept %gs for the site "
+                        "to resume",
+                        where,
+                        held.offset,
+                        self.held.grace_s,
+                    )
+                    self.audit.record(
+                        "upload_paused", site=session.site, round=header.round, offset=held.offset
+                    )
+                elif held.ended and held.discarded:  # dropped meanwhile: tell the site at once
+                    await _abort(
+                        context,
+                        grpc.StatusCode.ABORTED,
+                        f"{where}: the upload was discarded ({held.discarded}); do not resume it",
+                    )
+                return pb.UploadReceipt()  # broken, or superseded by the site's resume
             except UploadRefused as exc:
-                await self._run(state.abandon, session.site)
+                await self._run(self.discard, held, "refused", False)
                 await self._refuse(context, session, header.round, exc.code, str(exc))
             except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-                await self._run(state.abandon, session.site)
+                await self._run(self.discard, held, "rejected", False)
                 await self._refuse(
                     context,
                     session,
@@ -552,7 +606,7 @@ class FedtrainServicer:
                     f"{where}: update rejected: {exc}",
                 )
             except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-                await self._run(state.abandon, session.site)
+                await self._run(self.discard, held, "failed on the server", False)
                 log.exception("%s: the upload failed on the server", where)
                 await self._refuse(
                     context,
@@ -561,6 +615,9 @@ class FedtrainServicer:
                     grpc.StatusCode.INTERNAL,
                     f"{where}: the server failed to store the update ({exc}); it may be retried",
                 )
+        finally:
+            self.transfer_slots.release()
+        weight = held.weight
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -582,6 +639,95 @@ class FedtrainServicer:
             num_examples_counted=0 if weight is None else weight.weight,
             notice="" if weight is None else weight.reason,
         )
+
+    def _new_upload(
+        self,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        weight: WeightDecision | None,
+    ) -> HeldUpload:
+        """A new upload's journal, registered so that a broken stream can resume it."""
+        sink: UpdateSpool | MaskedUpload
+        if weight is None:
+            assert isinstance(state, SecureRoundState)
+            sink = MaskedUpload(
+                state.layout.length + 1,
+                self.config.chunk_bytes,
+                lambda offset, values: state.fold_masked(session, offset, values),
+            )
+        else:
+            specs = self.coordinator.global_model.state.specs
+            sink = (
+                UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
+                if self.codec.name == "none"
+                else DecodingSpool(
+                    self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
+                )
+            )
+        held = HeldUpload(
+            site=session.site,
+            token=session.token,
+            certificate=session.certificate,
+            state=state,
+            terms=header_terms(header),
+            sink=sink,
+            weight=weight,
+        )
+        self.held.add(held)
+        return held
+
+    def _restart(self, site: str) -> None:
+        """A new upload from `site`: one it left broken off is discarded (the site lost
+        its id, or restarts on purpose); one still streaming stays, and the round's
+        admission refuses the second."""
+        held = self.held.of_site(site)
+        if held is not None and not held.attached:
+            self.discard(held, "the site started a new upload")
+
+    def discard(self, held: HeldUpload, reason: str, cancel: bool = True) -> None:
+        """Throw an upload away (on the pool): out of the round's sum and off the disk,
+        its stream (if one still feeds it, unless it is the caller's) cancelled at once."""
+        live, task = held.end(reason)
+        self.held.forget(held)
+        if not live:
+            return
+        if cancel and task is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(task.cancel)
+        held.state.abandon(held.site)
+        self.coordinator.transfers.settle(discarded=held.offset)
+        if isinstance(held.sink, UpdateSpool):
+            held.sink.close()
+        if cancel:  # a refusal is logged and audited by the handler that refuses
+            log.warning(
+                "site %r, round %s: upload of %d bytes discarded: %s",
+                held.site,
+                held.terms[0],
+                held.offset,
+                reason,
+            )
+            self.audit.record(
+                "upload_discarded",
+                site=held.site,
+                round=held.terms[0],
+                bytes=held.offset,
+                reason=reason,
+            )
+
+    def sweep_uploads(self) -> int:
+        """Discard uploads not resumed within their grace or whose round closed (the
+        watchdog calls it); returns how many."""
+        expired = self.held.expired()
+        for held, reason in expired:
+            self.cpu.submit(self.discard, held, reason)
+        return len(expired)
+
+    def site_gone(self, session: Session, reason: str) -> None:
+        """A leave listener: the upload of a site that left is discarded at once, its
+        stream cancelled (the round's retry must not wait on it)."""
+        held = self.held.of_site(session.site)
+        if held is not None and held.token == session.token:
+            self.discard(held, f"the site left ({reason})")
 
     async def _weigh(
         self,
@@ -654,67 +800,53 @@ class FedtrainServicer:
         state: RoundState | BufferedRounds,
         session: Session,
         header: pb.UploadHeader,
-        weight: WeightDecision,
+        held: HeldUpload,
+        generation: int,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
     ) -> int:
-        """Validate and journal one upload as it arrives, and fold it from its journal
-        once whole, with the weight the policy let through; returns the bytes received.
+        """Validate and journal an upload's chunks as they arrive (after those the server
+        held already), and once it is whole fold a plain update from its journal with
+        the weight the policy let through (a masked vector was folded chunk by chunk);
+        returns the update's bytes.
 
         An upload that fails on the way was never folded, so it leaves no trace in the
         round's sum. An encoded upload (`[compression]`) is journaled as its codec's
         parts and folded decoded.
         """
-        specs = self.coordinator.global_model.state.specs
-        spool = (
-            UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
-            if self.codec.name == "none"
-            else DecodingSpool(
-                self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
-            )
-        )
+        sink = held.sink
 
-        def journal(chunk: Chunk) -> None:
+        def still_open() -> None:
             if state.closed:  # e.g. the deadline passed: stop receiving at once
                 raise UploadRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"site {session.site!r}, round {header.round}: the round closed "
                     "while the update was being received; update dropped",
                 )
-            spool.add(chunk)
 
-        def finish() -> None:
-            spool.finish()
-            state.commit(session, spool, weight.weight, dict(header.metrics))
+        def journal(chunk: Chunk) -> None:
+            held.add(generation, chunk, still_open)
 
-        try:
-            async for chunk in self._chunks(session, header, request_iterator):
-                await self._run(journal, chunk)
-            await self._run(finish)
-        except BaseException:
-            await asyncio.shield(self._run(state.abandon, session.site))
-            raise
-        finally:
-            await asyncio.shield(self._run(spool.close))
-        return spool.bytes_received
+        def commit() -> None:
+            try:
+                sink.finish()
+                if isinstance(sink, UpdateSpool):
+                    weight = held.weight.weight
+                    state.commit(session, sink, weight, dict(header.metrics))
+            except BaseException:
+                self.held.forget(held)
+                state.abandon(session.site)
+                self.coordinator.transfers.settle(discarded=held.offset)
+                raise
+            finally:
+                if isinstance(sink, UpdateSpool):
+                    sink.close()
+            self.held.forget(held)
+            self.coordinator.transfers.settle(accepted=held.offset)
 
-    async def _receive_masked(
-        self,
-        state: SecureRoundState,
-        session: Session,
-        header: pb.UploadHeader,
-        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
-    ) -> int:
-        """Validate a masked vector chunk by chunk and fold each into the secure sum at once
-        (no spool: it is uniformly random, and a broken stream is taken back out)."""
-        upload = MaskedUpload(
-            state.layout.length + 1,
-            self.config.chunk_bytes,
-            lambda offset, values: state.fold_masked(session, offset, values),
-        )
         async for chunk in self._chunks(session, header, request_iterator):
-            await self._run(upload.add, chunk)
-        upload.finish()
-        return upload.bytes_received
+            await self._run(journal, chunk)
+        await self._run(held.complete, generation, commit)
+        return sink.bytes_received
 
     async def _chunks(
         self,
