@@ -80,6 +80,10 @@ CAPACITY_RETRY_S = 30.0
 SHARED_DOWNLOAD_BYTES = 256 << 20
 
 
+class EndedEarly(FedtrainError):
+    """An upload's stream ended before the whole update arrived (kept for a resume)."""
+
+
 def heartbeat_interval(configured_s: float, connected: int) -> float:
     """The heartbeat period a site is told on joining (see `HEARTBEATS_PER_S`)."""
     return max(configured_s, connected / HEARTBEATS_PER_S)
@@ -572,10 +576,11 @@ class FedtrainServicer:
             )
             try:
                 received = await self._receive(
-                    state, session, header, held, generation, request_iterator
+                    state, session, header, held, generation, request_iterator, context
                 )
             except (grpc.RpcError, asyncio.CancelledError, Superseded):
-                if await asyncio.shield(self._run(held.detach, generation)):
+                # On the loop, not awaited: a cancelled handler may be cancelled again.
+                if held.detach(generation):
                     log.warning(
                         "%s: the upload stream broke off at byte %d; kept %gs for the site "
                         "to resume",
@@ -587,12 +592,23 @@ class FedtrainServicer:
                         "upload_paused", site=session.site, round=header.round, offset=held.offset
                     )
                 elif held.ended and held.discarded:  # dropped meanwhile: tell the site at once
+                    task = asyncio.current_task()
+                    while task is not None and task.uncancel():  # we cancelled it: answer
+                        pass
                     await _abort(
                         context,
                         grpc.StatusCode.ABORTED,
                         f"{where}: the upload was discarded ({held.discarded}); do not resume it",
                     )
                 return pb.UploadReceipt()  # broken, or superseded by the site's resume
+            except EndedEarly as exc:
+                if held.detach(generation):
+                    self.audit.record(
+                        "upload_paused", site=session.site, round=header.round, offset=held.offset
+                    )
+                await self._refuse(
+                    context, session, header.round, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+                )
             except UploadRefused as exc:
                 await self._run(self.discard, held, "refused", False)
                 await self._refuse(context, session, header.round, exc.code, str(exc))
@@ -803,6 +819,7 @@ class FedtrainServicer:
         held: HeldUpload,
         generation: int,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+        context: grpc.aio.ServicerContext,
     ) -> int:
         """Validate and journal an upload's chunks as they arrive (after those the server
         held already), and once it is whole fold a plain update from its journal with
@@ -845,6 +862,15 @@ class FedtrainServicer:
 
         async for chunk in self._chunks(session, header, request_iterator):
             await self._run(journal, chunk)
+        if not sink.whole:
+            # gRPC may end a cut stream's requests as if the site had closed them, so an
+            # upload that ends short is kept for a resume, like one that broke off.
+            raise EndedEarly(
+                f"site {session.site!r}, round {header.round}: the upload's stream ended "
+                f"early, after {sink.bytes_received} of the update's {sink.expected_bytes} "
+                f"bytes; the server keeps them for upload_grace_s ({self.held.grace_s:g}s): "
+                "resume the upload to send the rest"
+            )
         await self._run(held.complete, generation, commit)
         return sink.bytes_received
 

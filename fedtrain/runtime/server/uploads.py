@@ -121,6 +121,15 @@ class UpdateSpool:
     def complete(self) -> bool:
         return self._complete
 
+    @property
+    def whole(self) -> bool:
+        """Every byte of the update arrived (it may still be refused at `finish`)."""
+        return self._validator.bytes_received == self.expected_bytes
+
+    @property
+    def expected_bytes(self) -> int:
+        return self._validator.expected_bytes
+
     def add(self, chunk: Chunk) -> None:
         """Validate one chunk (placement, size, finiteness) and journal its bytes."""
         check_chunk_size(chunk, self.max_chunk_bytes)
@@ -230,6 +239,15 @@ class MaskedUpload:
     @property
     def bytes_received(self) -> int:
         return self._validator.bytes_received
+
+    @property
+    def whole(self) -> bool:
+        """Every byte of the vector arrived."""
+        return self._validator.bytes_received == self.expected_bytes
+
+    @property
+    def expected_bytes(self) -> int:
+        return self._validator.expected_bytes
 
     def add(self, chunk: Chunk) -> None:
         check_chunk_size(chunk, self.max_chunk_bytes)
