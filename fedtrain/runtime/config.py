@@ -49,6 +49,15 @@ class HeartbeatConfig:
         "crashed host or a cut link is noticed without a message from it). Each ping is "
         "gRPC work: 10,000 sites pinged every 20 s cost 3% of a core at idle.",
     )
+    grace_s: float = option(
+        90.0,
+        "A site whose link fails (its control stream goes silent past timeout_s, or breaks "
+        "after it went quiet) stays in its round this much longer, and may rejoin with its "
+        "session meanwhile: its round, its upload in flight and its queued messages "
+        "continue. Past it the site is dropped and its upload discarded. A stream closed "
+        "while the site was talking (its process exited or was killed) drops it at once. "
+        "0: no grace, every failure drops the site at once.",
+    )
 
 
 @dataclass
@@ -483,6 +492,8 @@ def _check_heartbeat(hb: HeartbeatConfig) -> None:
             f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and below "
             f"heartbeat.timeout_s ({hb.timeout_s}), or every site would time out"
         )
+    if not hb.grace_s >= 0:
+        raise ConfigError(f"heartbeat.grace_s must be >= 0 (0: none), got {hb.grace_s!r}")
     if not hb.keepalive_s > 0:
         raise ConfigError(f"heartbeat.keepalive_s must be > 0, got {hb.keepalive_s!r}")
 

@@ -205,7 +205,9 @@ def inprocess_server(
         "rounds": 3,
         "round_timeout_s": 30.0,
         "chunk_bytes": CHUNK,
-        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        # No outage grace: a hand-driven FakeSite sends no heartbeats, so a grace would
+        # keep every one it closes; the tests of the grace set it (test_outages.py).
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0, "grace_s": 0.0},
         **extra,
     }
     raw["strategy"] = {

@@ -395,7 +395,7 @@ def test_cached_model_is_not_downloaded_again(tmp_path, stop_after) -> None:
 def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop_after) -> None:
     task = TinyTask()
     server = inprocess_server(
-        tmp_path, task, sites=2, heartbeat={"interval_s": 0.2, "timeout_s": 1.0}
+        tmp_path, task, sites=2, heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": 1.0}
     )
     stop_after.append(server)
     quiet = FakeSite(server.port, "quiet", task_fingerprint(task))
@@ -404,7 +404,9 @@ def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop
     wait_for(lambda: len(server.registry) == 0, 10, "the silent site to be disconnected")
     assert quiet.inbox.get(timeout=5) is None  # its control stream was ended
     leaves = [r for r in _audit(server) if r["event"] == "leave"]
-    assert leaves[-1]["reason"] == "heartbeat timeout"
+    # Silent past its timeout, it was kept for the outage grace, then dropped.
+    assert leaves[-1]["reason"] == "unreachable for longer than heartbeat.grace_s (1s)"
+    assert [r["site"] for r in _audit(server) if r["event"] == "site_away"] == ["quiet"]
 
     with pytest.raises(AssertionError, match="reject") as info:
         FakeSite(server.port, "other", "0123456789abcdef")

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -159,47 +160,88 @@ class FedtrainServicer:
         if self.coordinator.finished.is_set():
             await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
-        interval = heartbeat_interval(self.config.heartbeat.interval_s, len(self.registry) + 1)
-        session = Session(
-            site,
-            peer,
-            timeout_s=self._silence_allowed(interval),
-            heartbeat_interval_s=interval,
-            certificate=certificate.pem if certificate else b"",
-            capabilities=frozenset(first.join.capabilities),
-        )
-        session.open_outbox()
-        try:
-            replaced = await self._run(self.registry.add, session, self.max_sites)
-        except AtCapacity:  # checked here, atomically, so racing joins cannot overfill
-            await self._refuse_join(context, peer, self._at_capacity(site, identity))
-            return
-        if replaced is not None:
-            await self._run(
-                self.registry.remove, replaced, "replaced by a new connection from the same site"
+        pem = certificate.pem if certificate else b""
+        session = None
+        if first.join.resume_token:
+            session = await self._run(
+                self.registry.rejoin, first.join.resume_token, site, pem, peer
             )
-        log.info("site %r joined from %s", site, peer)
-        self.audit.record(
-            "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
-        )
+            if session is None:
+                log.info("site %r asked to continue a session that is gone; a new one", site)
+        resumed = session is not None
+        if session is not None:
+            if session.handler is not None:  # its old stream still looked open: end it
+                session.handler.cancel()
+            log.info("site %r rejoined its session from %s", site, peer)
+            self.audit.record("rejoin", site=site, peer=peer, **identity)
+        else:
+            interval = heartbeat_interval(self.config.heartbeat.interval_s, len(self.registry) + 1)
+            session = Session(
+                site,
+                peer,
+                timeout_s=self._silence_allowed(interval),
+                heartbeat_interval_s=interval,
+                certificate=pem,
+                capabilities=frozenset(first.join.capabilities),
+            )
+            session.open_outbox()  # before it is registered: instructions may follow at once
+            try:
+                replaced = await self._run(self.registry.add, session, self.max_sites)
+            except AtCapacity:  # checked here, atomically, so racing joins cannot overfill
+                await self._refuse_join(context, peer, self._at_capacity(site, identity))
+                return
+            if replaced is not None:
+                await self._run(
+                    self.registry.remove,
+                    replaced,
+                    "replaced by a new connection from the same site",
+                )
+            log.info("site %r joined from %s", site, peer)
+            self.audit.record(
+                "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
+            )
+        session.open_outbox()
+        session.handler = asyncio.current_task()
         welcome = pb.Welcome(
             run_id=self.coordinator.run_id,
             session_token=session.token,
             site_name=site,
-            heartbeat_interval_s=interval,
+            heartbeat_interval_s=session.heartbeat_interval_s,
             chunk_bytes=self.config.chunk_bytes,
             secagg=self.config.secagg.enabled,
+            resumed=resumed,
+            grace_s=self.config.heartbeat.grace_s,
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
         reader = asyncio.create_task(self._read(session, context))
+        broke = False
         try:
             await context.write(pb.ServerMessage(welcome=welcome))
             while (message := await session.next_message()) is not None:
                 await context.write(message)
+        except grpc.RpcError:
+            broke = True
+            raise
+        except asyncio.CancelledError:
+            broke = True
+            if session.handler is not asyncio.current_task() or session.detached_at is not None:
+                # Ended here (a rejoin took over, or the site was silent): say so, since
+                # a cancelled handler alone ends nothing the site could see.
+                await _end_cut_stream(
+                    context,
+                    f"site {session.site!r}: this control stream is replaced or the site was "
+                    "silent; rejoin the session (Join.resume_token)",
+                )
+            raise
         finally:  # the site left, the stream broke (keepalive), or the server stops
             reader.cancel()
-            self._leave(session, "control stream closed")
+            if session.handler is asyncio.current_task():  # not taken over by a rejoin
+                session.handler = None
+                if broke:
+                    self._lost(session, "control stream broke")
+                else:
+                    self._leave(session, "control stream closed")
 
     def _silence_allowed(self, interval_s: float) -> float:
         """A site's heartbeat timeout, scaled with the interval it was told."""
@@ -396,7 +438,8 @@ class FedtrainServicer:
                     log.warning("site %r: %s", session.site, reason)
                     break
         except grpc.RpcError:
-            reason = "control stream broke"
+            self._lost(session, "control stream broke")
+            return
         self._leave(session, reason)
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
@@ -414,6 +457,36 @@ class FedtrainServicer:
             self.audit.record(
                 "secagg_refused", site=session.site, round=message.round, reason=str(exc)
             )
+
+    def _lost(self, session: Session, reason: str) -> None:
+        """The site's control stream broke. After a silence it is an outage: the site
+        is kept `heartbeat.grace_s` (`detach`); while it was talking, its process closed
+        the connection (exited, killed): it is gone at once."""
+        if session.closed or session.detached_at is not None:
+            return
+        quiet_s = time.monotonic() - session.last_seen
+        outage = quiet_s > 2 * session.heartbeat_interval_s and not self.coordinator.stopped
+        if self.config.heartbeat.grace_s > 0 and outage:
+            self.detach(session, f"{reason} after {quiet_s:.0f}s of silence")
+        else:
+            self._leave(session, reason)
+
+    def detach(self, session: Session, reason: str) -> None:
+        """Keep an unreachable site's session and round for `heartbeat.grace_s` (from the
+        loop or any thread): its streams are ended (they are dead or stuck), its upload
+        is kept for a resume, its messages queue until it rejoins."""
+        if not self.registry.detach(session):
+            return
+        grace = self.config.heartbeat.grace_s
+        log.warning(
+            "site %r is unreachable (%s); kept %gs for it to rejoin", session.site, reason, grace
+        )
+        self.audit.record("site_away", site=session.site, reason=reason, grace_s=grace)
+        loop = self._loop or session._loop
+        held = self.held.of_site(session.site)
+        for task in (session.handler, held.task if held is not None else None):
+            if task is not None and loop is not None:
+                loop.call_soon_threadsafe(task.cancel)
 
     def _leave(self, session: Session, reason: str) -> None:
         """End the session (idempotent; the server audits every leave). Not awaited: it
@@ -434,6 +507,15 @@ class FedtrainServicer:
                 "unknown_session",
                 f"{what} from {context.peer()}: unknown session token (the session ended or "
                 "the server restarted); the site must rejoin on its control stream first",
+            )
+        if session.detached_at is not None:
+            await self._deny(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "session_away",
+                f"{what}: the session of site {session.site!r} lost its control stream; the "
+                "site must rejoin it (Join.resume_token) before it transfers again",
+                site=session.site,
             )
         if self.secure and session.peer != context.peer():
             await self._deny(
@@ -592,15 +674,18 @@ class FedtrainServicer:
                         "upload_paused", site=session.site, round=header.round, offset=held.offset
                     )
                 elif held.ended and held.discarded:  # dropped meanwhile: tell the site at once
-                    task = asyncio.current_task()
-                    while task is not None and task.uncancel():  # we cancelled it: answer
-                        pass
-                    await _abort(
+                    await _end_cut_stream(
                         context,
-                        grpc.StatusCode.ABORTED,
                         f"{where}: the upload was discarded ({held.discarded}); do not resume it",
+                        grpc.StatusCode.ABORTED,
                     )
-                return pb.UploadReceipt()  # broken, or superseded by the site's resume
+                # Broken, superseded by the site's resume, or cut here (the site is away):
+                # if the site can still hear it, it resumes.
+                await _end_cut_stream(
+                    context,
+                    f"{where}: the upload stream was cut after {held.offset} bytes; the "
+                    f"server keeps them for {self.held.grace_s:g}s: resume it",
+                )
             except EndedEarly as exc:
                 if held.detach(generation):
                     self.audit.record(
@@ -978,6 +1063,19 @@ async def _abort(
 ) -> NoReturn:
     await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+async def _end_cut_stream(
+    context: grpc.aio.ServicerContext,
+    message: str,
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+) -> NoReturn:
+    """End a stream whose handler was cancelled with a status the peer can read (a
+    cancelled handler alone leaves a peer that can still hear the server waiting)."""
+    task = asyncio.current_task()
+    while task is not None and task.uncancel():
+        pass
+    await _abort(context, code, message)
 
 
 def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
