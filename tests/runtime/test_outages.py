@@ -1,0 +1,146 @@
+"""A site's link fails mid-upload (`link_proxy.LinkProxy` pauses it: no FIN, no RST).
+
+Within `heartbeat.grace_s` the site stays in its round, rejoins its session when the
+link is back and resumes its upload from the offset the server holds; past the grace
+it is dropped, its upload discarded at once, and the round ends without it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from link_proxy import LinkProxy
+from runtime_support import TinyTask, inprocess_server, wait_for
+
+from fedtrain.config import from_dict
+from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.site.daemon import SiteDaemon
+
+#: A model of ~800 KB, sent in 64 KiB chunks: the link fails well inside its upload.
+FEATURES = 100_000
+CHUNK_BYTES = 64 * 1024
+
+
+def _audit(server: AggregationServer, event: str) -> list[dict[str, Any]]:
+    return [r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == event]
+
+
+def _site(name: str, address: str, task: TinyTask, stop_after: list[Any]) -> SiteDaemon:
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "name": name,
+        "server": address,
+        "reconnect": {"min_s": 0.1, "max_s": 0.5},
+    }
+    daemon = SiteDaemon(
+        from_dict(SiteConfig, raw), insecure=True, task=task, data=task.datasets()[0]
+    )
+    threading.Thread(target=daemon.run, daemon=True).start()
+    stop_after.append(daemon)
+    return daemon
+
+
+def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> AggregationServer:
+    task = TinyTask(features=FEATURES)
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=sites,
+        rounds=1,
+        chunk_bytes=CHUNK_BYTES,
+        heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": grace_s},
+        **extra,
+    )
+    stop_after.append(server)
+    return server
+
+
+def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)  # join, heartbeats, then half the upload
+    _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    wait_for(lambda: _audit(server, "site_away"), 10, "the server to notice the outage")
+    paused = wait_for(lambda: _audit(server, "upload_paused"), 10, "the upload to be kept")
+    proxy.resume()  # the link is back
+    assert server.wait(60) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == [] and record["clients"] == 1
+    assert [r["site"] for r in _audit(server, "rejoin")] == ["far"]
+    resumed = _audit(server, "upload_resumed")
+    assert resumed[0]["offset"] == paused[0]["offset"] > 0
+    # Nothing the server held was sent again (the chunk in flight was never received).
+    assert server.coordinator.transfers.total_in == update_bytes
+    leaves = [r["reason"] for r in _audit(server, "leave")]
+    assert leaves == ["run complete"]
+
+
+def test_a_site_away_past_the_grace_is_dropped_and_its_upload_discarded_at_once(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=2, grace_s=1.0, strategy={"min_fit_clients": 1})
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)
+    far = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    _site("near", f"127.0.0.1:{server.port}", TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    left = wait_for(lambda: _audit(server, "leave"), 20, "the grace to pass")
+    assert left[0]["site"] == "far" and "heartbeat.grace_s" in left[0]["reason"]
+    discarded = _audit(server, "upload_discarded")
+    assert discarded[0]["site"] == "far" and discarded[0]["bytes"] > 0
+    assert len(server.servicer.held) == 0
+    proxy.resume()  # too late: the site joins anew, and its stale upload is not resumed
+    assert server.wait(60) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == ["far"] and record["clients"] == 1
+    assert not _audit(server, "upload_resumed") and not _audit(server, "rejoin")
+    assert far.rounds_trained == 0
+
+
+def _round(server: AggregationServer, number: int) -> dict[str, Any]:
+    lines = (server.run_dir.path / "metrics.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r.get("round") == number)
+
+
+def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
+    tmp_path, stop_after
+) -> None:
+    """Secure aggregation: the masked vector's chunks already in the secure sum stay
+    there while the site is away; it sends the rest, and all three are included."""
+    task = TinyTask(features=20_000)
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=3,
+        rounds=1,
+        chunk_bytes=16 * 1024,
+        round_timeout_s=120.0,
+        secagg={"enabled": True, "clip": 4.0, "bits": 28, "max_clients": 8, "max_weight": 1e3},
+        heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": 30.0},
+    )
+    stop_after.append(server)
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    masked_bytes = server.coordinator.global_model.state.nbytes + 4  # int32 per value + weight
+    proxy.pause_after_up(masked_bytes // 2)  # the secagg stages are a few KB before it
+    for name, address in (("a", None), ("b", None), ("far", proxy.address)):
+        _site(name, address or f"127.0.0.1:{server.port}", TinyTask(features=20_000), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    paused = wait_for(lambda: _audit(server, "upload_paused"), 10, "the upload to be kept")
+    proxy.resume()
+    assert server.wait(90) and server.coordinator.error is None
+    unmasked = _audit(server, "secagg_unmasked")[0]
+    assert unmasked["included"] == ["a", "b", "far"] and unmasked["dropped"] == []
+    assert _audit(server, "upload_resumed")[0]["offset"] == paused[0]["offset"] > 0
+    assert _round(server, 1)["dropped"] == []
