@@ -9,6 +9,7 @@ grace, into another round) is refused and audited.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -179,7 +180,7 @@ def test_a_rogue_resume_is_refused_and_audited(tmp_path, stop_after) -> None:
 
 
 def test_a_broken_upload_cannot_be_resumed_after_its_grace(tmp_path, stop_after) -> None:
-    server, version, a, _ = _sites(tmp_path, stop_after, upload_grace_s=0.5)
+    server, version, a, b = _sites(tmp_path, stop_after, upload_grace_s=0.5, rounds=1)
     da = _delta(server, 1)
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
@@ -194,9 +195,15 @@ def test_a_broken_upload_cannot_be_resumed_after_its_grace(tmp_path, stop_after)
         a.upload([a.header(1, num_examples=10, model_version=version, resume_id=upload_id)])
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "no upload" in info.value.details()
-    # Starting again from zero works.
+    # Starting again from zero works; what the server had thrown away counts as re-sent.
     receipt = a.upload([a.header(1, num_examples=10, model_version=version), *chunks])
     assert receipt.bytes_received == da.nbytes
+    b.upload([b.header(1, num_examples=10, model_version=version), *chunks])
+    assert server.wait(20) and server.coordinator.error is None
+    record = json.loads((server.run_dir.path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["bytes_in"] == 2 * da.nbytes + 2 * CHUNK
+    assert record["bytes_in_accepted"] == 2 * da.nbytes
+    assert record["bytes_in_discarded"] == record["bytes_in_resent"] == 2 * CHUNK
 
 
 def test_a_broken_upload_cannot_continue_into_another_round(tmp_path, stop_after) -> None:

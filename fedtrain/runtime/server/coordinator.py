@@ -80,9 +80,10 @@ class TransferCounter:
         self._lock = threading.Lock()
         self._in = 0
         self._out = 0
-        #: Of the bytes in: those of updates the round took, and those thrown away
-        #: (refused, broken off and not resumed, too late); counted when settled.
-        self._settled = {"accepted": 0, "discarded": 0}
+        #: Of the bytes in: those of updates the round took, those thrown away (refused,
+        #: broken off and not resumed, too late), counted when settled; and those a site
+        #: sent again after the server had thrown its earlier upload away.
+        self._settled = {"accepted": 0, "discarded": 0, "resent": 0}
         #: Since the server started, never reset (Prometheus counters read these).
         self.total_in = 0
         self.total_out = 0
@@ -94,11 +95,13 @@ class TransferCounter:
             self.total_in += received
             self.total_out += sent
 
-    def settle(self, accepted: int = 0, discarded: int = 0) -> None:
-        """An upload's bytes ended up in the round (`accepted`) or were thrown away."""
+    def settle(self, accepted: int = 0, discarded: int = 0, resent: int = 0) -> None:
+        """An upload's bytes ended up in the round (`accepted`), were thrown away, or
+        arrived a second time (`resent`)."""
         with self._lock:
             self._settled["accepted"] += accepted
             self._settled["discarded"] += discarded
+            self._settled["resent"] += resent
 
     def take(self) -> tuple[int, int]:
         """(bytes in, bytes out) since the last call."""
@@ -108,7 +111,7 @@ class TransferCounter:
             return out
 
     def take_settled(self) -> dict[str, int]:
-        """Bytes in accepted and discarded since the last call."""
+        """Bytes in accepted, discarded and re-sent since the last call."""
         with self._lock:
             out = dict(self._settled)
             self._settled = dict.fromkeys(self._settled, 0)
@@ -560,6 +563,7 @@ class Coordinator:
             "bytes_out": bytes_out,
             "bytes_in_accepted": settled["accepted"],
             "bytes_in_discarded": settled["discarded"],
+            "bytes_in_resent": settled["resent"],
         }
 
     def evaluate_into(self, record: dict[str, Any]) -> None:

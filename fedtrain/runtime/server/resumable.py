@@ -80,6 +80,9 @@ class HeldUpload:
     ended: bool = False
     #: Why it was thrown away ("" while live or once completed).
     discarded: str = ""
+    #: Bytes of this upload that the site had sent before, in an upload of the same
+    #: attempt the server threw away (they arrive a second time: counted as re-sent).
+    resend: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -97,13 +100,17 @@ class HeldUpload:
             old, self.task, self.attached = (self.task if self.attached else None), task, True
             return self.generation, self.offset, old
 
-    def add(self, generation: int, chunk: Chunk, check: Callable[[], None]) -> None:
-        """Journal one chunk of stream `generation` (after `check()`, under the lock)."""
+    def add(self, generation: int, chunk: Chunk, check: Callable[[], None]) -> int:
+        """Journal one chunk of stream `generation` (after `check()`, under the lock);
+        returns how many of its bytes the site had sent before (`resend`)."""
         with self._lock:
             if generation != self.generation or self.ended:
                 raise Superseded
             check()
             self.sink.add(chunk)
+            again = min(self.resend, len(chunk.data))
+            self.resend -= again
+            return again
 
     def detach(self, generation: int) -> bool:
         """Stream `generation` broke: keep the journal; False if another stream had
@@ -147,11 +154,23 @@ class HeldUploads:
         self._lock = threading.Lock()
         self._by_id: dict[str, HeldUpload] = {}
         self._by_site: dict[str, HeldUpload] = {}
+        #: Per site, its last discarded upload's attempt and bytes (one entry per site).
+        self._lost: dict[str, tuple[Any, int]] = {}
 
     def add(self, upload: HeldUpload) -> None:
+        """Register a new upload; bytes of the site's earlier upload in the same attempt
+        that the server threw away will count as re-sent."""
         with self._lock:
+            lost = self._lost.pop(upload.site, None)
+            if lost is not None and lost[0] is upload.state:
+                upload.resend = lost[1]
             self._by_id[upload.id] = upload
             self._by_site[upload.site] = upload
+
+    def lost(self, upload: HeldUpload) -> None:
+        """`upload` was thrown away: what it held may come again (see `add`)."""
+        with self._lock:
+            self._lost[upload.site] = (upload.state, upload.offset)
 
     def forget(self, upload: HeldUpload) -> None:
         with self._lock:

@@ -797,6 +797,7 @@ class FedtrainServicer:
             self._loop.call_soon_threadsafe(task.cancel)
         held.state.abandon(held.site)
         self.coordinator.transfers.settle(discarded=held.offset)
+        self.held.lost(held)
         if isinstance(held.sink, UpdateSpool):
             held.sink.close()
         if cancel:  # a refusal is logged and audited by the handler that refuses
@@ -926,7 +927,9 @@ class FedtrainServicer:
                 )
 
         def journal(chunk: Chunk) -> None:
-            held.add(generation, chunk, still_open)
+            again = held.add(generation, chunk, still_open)
+            if again:
+                self.coordinator.transfers.settle(resent=again)
 
         def commit() -> None:
             try:
@@ -938,6 +941,7 @@ class FedtrainServicer:
                 self.held.forget(held)
                 state.abandon(session.site)
                 self.coordinator.transfers.settle(discarded=held.offset)
+                self.held.lost(held)
                 raise
             finally:
                 if isinstance(sink, UpdateSpool):
