@@ -12,13 +12,14 @@ import threading
 from typing import Any
 
 from link_proxy import LinkProxy
-from runtime_support import TinyTask, inprocess_server, wait_for
+from runtime_support import FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
+from fedtrain.task import task_fingerprint
 
 #: A model of ~800 KB, sent in 64 KiB chunks: the link fails well inside its upload.
 FEATURES = 100_000
@@ -144,3 +145,38 @@ def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
     assert unmasked["included"] == ["a", "b", "far"] and unmasked["dropped"] == []
     assert _audit(server, "upload_resumed")[0]["offset"] == paused[0]["offset"] > 0
     assert _round(server, 1)["dropped"] == []
+
+
+def test_a_site_that_rejoins_its_session_is_told_its_round_again_and_not_dropped(
+    tmp_path, stop_after
+) -> None:
+    """The instruction may have gone into the dead connection: a rejoined site that still
+    owes its update gets it again, byte for byte (the daemon ignores a repeat). Another
+    site cannot take the session over with its token."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": 20.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    away = FakeSite(server.port, "alpha", fp)  # sends no heartbeat: silent, then away
+    stop_after.append(away)
+    first = away.expect("instruction").instruction
+    wait_for(lambda: _audit(server, "site_away"), 10, "the silent site to be kept away")
+    assert away.inbox.get(timeout=10) is None  # its old stream was ended
+    rogue = FakeSite(server.port, "mallory", fp, resume_token=away.token)
+    stop_after.append(rogue)
+    assert not rogue.welcome.resumed and rogue.token != away.token
+    assert _audit(server, "rejoin_refused")[0]["cause"] == "other_session"
+    back = FakeSite(server.port, "alpha", fp, resume_token=away.token)
+    stop_after.append(back)
+    assert back.welcome.resumed and back.token == away.token
+    again = back.expect("instruction").instruction
+    assert again.SerializeToString() == first.SerializeToString()
+    delta = server.coordinator.global_model.state.clone()
+    back.upload(
+        [back.header(1, model_version=first.model_version), *chunk_messages(delta.chunks(16))]
+    )
+    assert server.wait(20) and server.coordinator.error is None
+    assert _round(server, 1)["dropped"] == [] and _round(server, 1)["clients"] == 1
+    assert [r["site"] for r in _audit(server, "rejoin")] == ["alpha"]

@@ -408,8 +408,9 @@ class Coordinator:
         for site, session in sessions.items():
             if session is None:
                 state.set_outcome(site, Outcome.DROPPED)
-        self.current = state
         deadline_unix = time.time() + self.config.round_timeout_s
+        state.deadline_unix = deadline_unix
+        self.current = state
         log.info(
             "round %d (attempt %d): %d site(s) train from model %s: %s",
             server_round,
@@ -759,6 +760,29 @@ class Coordinator:
         state = self.current
         if state is not None and state.settle(session, Outcome.DROPPED):
             log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
+
+    def rejoined(self, session: Session) -> None:
+        """A site rejoined its session after an outage: if it still owes the plain round
+        in progress its update and is not uploading, tell it the round's instruction
+        again (the first may have been written into the dead connection; the daemon
+        ignores one it already has). A secure round's stage messages cannot be replayed:
+        a site that missed one is a dropout at that stage."""
+        state = self.current
+        if not isinstance(state, RoundState) or isinstance(state, SecureRoundState):
+            return
+        if state.closed or state.tokens.get(session.site) != session.token:
+            return
+        if state.outcomes.get(session.site) is not Outcome.PENDING:
+            return
+        if session.site in state.uploading:
+            return
+        instruct(
+            session,
+            state.round,
+            state.model_version,
+            state.plan[session.site],
+            state.deadline_unix,  # the same instruction, byte for byte
+        )
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update (or evaluation)."""

@@ -6,9 +6,15 @@ site's identity (with TLS, its certificate and its proof of holding the key:
 refusal is audited with the peer's address and a one-word cause (`AuditLog.refusal`,
 throttled). Bulk RPCs must carry the token of a live control session and, with TLS,
 arrive on that session's connection. Uploads are validated, journaled and folded
-chunk by chunk (see `uploads.py`); whatever is wrong becomes a gRPC status naming site,
+chunk by chunk (see `uploads.py`), and a broken upload is kept for its site to resume
+(`resumable.py`); whatever is wrong becomes a gRPC status naming site,
 round and tensor, an audit record and a log line, and never an exception that escapes
 a handler.
+
+A control stream that breaks after a silence is an outage, not a departure: the
+session is kept `heartbeat.grace_s` (`detach`) and the site may rejoin it with its
+token (Join.resume_token); one that closes while the site was talking (its process
+ended) drops the site at once.
 
 The handlers are coroutines on the server's event loop (`grpc.aio`): a connected
 site costs a coroutine and a socket, never a thread. Work that takes the round's
@@ -167,6 +173,19 @@ class FedtrainServicer:
                 self.registry.rejoin, first.join.resume_token, site, pem, peer
             )
             if session is None:
+                other = self.registry.by_token(first.join.resume_token)
+                if other is not None and other.site != site:
+                    self._refuse_peer(
+                        "rejoin_refused",
+                        peer,
+                        Refusal(
+                            "other_session",
+                            f"site {site!r} asked to continue the session of site "
+                            f"{other.site!r}; it gets a session of its own",
+                            site=site,
+                            details=identity,
+                        ),
+                    )
                 log.info("site %r asked to continue a session that is gone; a new one", site)
         resumed = session is not None
         if session is not None:
@@ -174,6 +193,7 @@ class FedtrainServicer:
                 session.handler.cancel()
             log.info("site %r rejoined its session from %s", site, peer)
             self.audit.record("rejoin", site=site, peer=peer, **identity)
+            self.cpu.submit(self.coordinator.rejoined, session)
         else:
             interval = heartbeat_interval(self.config.heartbeat.interval_s, len(self.registry) + 1)
             session = Session(

@@ -5,6 +5,8 @@ instruction by putting it there; nothing polls. The outbox is an asyncio queue o
 server's event loop (a site costs a coroutine, not a thread); `Session.send` may be
 called from any thread. Membership changes notify a condition the coordinator waits
 on, and leave listeners turn a vanished site into a dropout of the round in progress.
+A site whose link failed is first *detached* (kept, with its outbox, for the outage
+grace) and may `rejoin` its session from a new connection.
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ so the control stream stays responsive: download the global model (skipped when
 the version is cached), train with the task, upload the delta in chunks. Anything
 that breaks the connection sends the daemon back to reconnecting with exponential
 backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
-that restarts with `--resume` is simply rejoined. When the server says the run is
-complete the site waits for its next run, or, with `exit_when_done`, leaves (for
-scripts, CI and Kubernetes Jobs).
+that restarts with `--resume` is simply rejoined. After a broken control stream the
+daemon asks the server to continue its session (Join.resume_token): if the server
+kept it (`heartbeat.grace_s`), the round in progress goes on, and a transfer that
+broke off continues on the new connection, an upload from the offset the server
+holds. When the server says the run is complete the site waits for its next run,
+or, with `exit_when_done`, leaves (for scripts, CI and Kubernetes Jobs).
 
 A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
 instead of in this process (see `workers.py`). The group is started before the
@@ -221,6 +224,8 @@ class SiteDaemon:
         self._compression: tuple[CompressionSettings, Codec] | None = None
         #: The session whose control stream broke: the next Join asks to continue it.
         self._away: Link | None = None
+        #: The last instruction received (serialized): a repeat of it is not work.
+        self._instructed = b""
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -475,7 +480,13 @@ class SiteDaemon:
 
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
-        """Hand an instruction to the trainer; a newer one replaces one not yet started."""
+        """Hand an instruction to the trainer; a newer one replaces one not yet started.
+        One the site has already (the server repeats it after a rejoin) is ignored."""
+        key = instruction.SerializeToString(deterministic=True)
+        if key == self._instructed:
+            log.debug("round %d: instruction already in hand", instruction.round)
+            return
+        self._instructed = key
         if instruction.kind == pb.EVALUATE and EVALUATE_CAPABILITY in self.capabilities:
             with self._job_ready:
                 self._job = (link, instruction)
