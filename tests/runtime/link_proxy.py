@@ -3,9 +3,9 @@
 Paused, it forwards nothing in either direction and closes nothing: each side's
 sockets stay open and quiet, as when a router between site and server goes down (no
 FIN, no RST; only timeouts can notice). `pause_after_up(n)` pauses it by itself once
-`n` bytes have gone from the site to the server, so a test can cut a link in the
-middle of an upload without racing it. New connections made while it is paused wait
-until it resumes.
+`n` bytes have gone from the site to the server (`pause_after_down`: the other way),
+so a test can cut a link in the middle of a transfer without racing it. New
+connections made while it is paused wait until it resumes.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class LinkProxy:
         self._flowing.set()
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
-        self._up_bytes = 0
-        self._pause_at: int | None = None
+        self._bytes = {True: 0, False: 0}  # sent up (site to server), sent down
+        self._pause_at: tuple[bool, int] | None = None
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -49,7 +49,12 @@ class LinkProxy:
     def pause_after_up(self, more_bytes: int) -> None:
         """Pause once `more_bytes` more bytes went from the site to the server."""
         with self._lock:
-            self._pause_at = self._up_bytes + more_bytes
+            self._pause_at = (True, self._bytes[True] + more_bytes)
+
+    def pause_after_down(self, more_bytes: int) -> None:
+        """Pause once `more_bytes` more bytes went from the server to the site."""
+        with self._lock:
+            self._pause_at = (False, self._bytes[False] + more_bytes)
 
     def close(self) -> None:
         self._closed = True
@@ -106,13 +111,12 @@ class LinkProxy:
         """Send `data` (up to a pending pause point); what is left to send after it."""
         send, rest = data, b""
         with self._lock:
-            if up and self._pause_at is not None:
-                room = self._pause_at - self._up_bytes
+            if self._pause_at is not None and self._pause_at[0] == up:
+                room = self._pause_at[1] - self._bytes[up]
                 if room <= len(data):
                     send, rest = data[:room], data[room:]
                     self._pause_at = None
                     self._flowing.clear()
-            if up:
-                self._up_bytes += len(send)
+            self._bytes[up] += len(send)
         dst.sendall(send)
         return rest

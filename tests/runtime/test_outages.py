@@ -11,11 +11,14 @@ import json
 import threading
 from typing import Any
 
+import grpc
+import pytest
 from link_proxy import LinkProxy
 from runtime_support import FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
 
 from fedtrain.config import from_dict
 from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
@@ -180,3 +183,43 @@ def test_a_site_that_rejoins_its_session_is_told_its_round_again_and_not_dropped
     assert server.wait(20) and server.coordinator.error is None
     assert _round(server, 1)["dropped"] == [] and _round(server, 1)["clients"] == 1
     assert [r["site"] for r in _audit(server, "rejoin")] == ["alpha"]
+
+
+def test_a_download_broken_off_continues_from_the_bytes_the_site_holds(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    model_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_down(model_bytes // 2)  # welcome, instruction, then half the model
+    site = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-download")
+    wait_for(lambda: _audit(server, "site_away"), 10, "the server to notice the outage")
+    proxy.resume()
+    assert server.wait(60) and server.coordinator.error is None
+    resumed = _audit(server, "download_resumed")
+    assert resumed and 0 < resumed[0]["offset"] < model_bytes
+    assert resumed[0]["offset"] % CHUNK_BYTES == 0
+    assert site.downloads == 1 and _round(server, 1)["dropped"] == []
+    # What was sent again is what the dead link swallowed, not the part the site held.
+    assert server.coordinator.transfers.total_out < 2 * model_bytes
+
+
+def test_a_download_from_an_offset_sends_only_the_chunks_after_it(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, rounds=1)
+    stop_after.append(server)
+    site = FakeSite(server.port, "alpha", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    _, everything = site.download(version)
+    request = pb.ModelRequest(version=version, session_token=site.token, offset=3 * 16)
+    rest = list(site.stub.DownloadModel(request))
+    assert rest[0].WhichOneof("kind") == "manifest"
+    assert [p.chunk for p in rest[1:]] == everything[3:]
+    for offset in (3 * 16 + 4, 10**9):  # inside a chunk; past the model
+        bad = pb.ModelRequest(version=version, session_token=site.token, offset=offset)
+        with pytest.raises(grpc.RpcError) as info:
+            list(site.stub.DownloadModel(bad))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT

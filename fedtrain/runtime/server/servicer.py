@@ -504,7 +504,8 @@ class FedtrainServicer:
         self.audit.record("site_away", site=session.site, reason=reason, grace_s=grace)
         loop = self._loop or session._loop
         held = self.held.of_site(session.site)
-        for task in (session.handler, held.task if held is not None else None):
+        streams = [session.handler, held.task if held is not None else None, *session.streams]
+        for task in streams:
             if task is not None and loop is not None:
                 loop.call_soon_threadsafe(task.cancel)
 
@@ -594,9 +595,52 @@ class FedtrainServicer:
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
+        if request.offset > model.state.nbytes:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"site {session.site!r}: a download from byte {request.offset}, but model "
+                f"{model.version[:12]} has {model.state.nbytes} bytes",
+            )
+        if request.offset:
+            log.info("site %r: model download resumes at byte %d", session.site, request.offset)
+            self.audit.record(
+                "download_resumed",
+                site=session.site,
+                model_version=model.version,
+                offset=request.offset,
+            )
+        task = asyncio.current_task()
+        session.streams.add(task)  # cancelled if the site goes away meanwhile
+        try:
+            async for piece in self._serve(model, request.offset, session, context):
+                yield piece
+        finally:
+            session.streams.discard(task)
+
+    async def _serve(
+        self,
+        model: GlobalModel,
+        offset: int,
+        session: Session,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[bytes | Chunk | pb.ModelPiece]:
+        """A download's manifest and the model's chunks after its first `offset` bytes."""
+        request_offset = offset
         async with self.transfer_slots:
             yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
+            skipped = 0  # a resumed download: the chunks the site holds are not sent
             for piece, size in await self._downloads.pieces(model, self._run):
+                if skipped < request_offset:
+                    skipped += size
+                    if skipped > request_offset:
+                        await _abort(
+                            context,
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"site {session.site!r}: a download from byte {request_offset}, "
+                            "which is not a chunk boundary; download the model again",
+                        )
+                    continue
                 self.coordinator.transfers.add(sent=size)
                 session.touch()
                 yield piece  # bytes or a Chunk: wire.serialize_stream_item

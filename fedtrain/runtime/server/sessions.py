@@ -67,6 +67,8 @@ class Session:
     #: The handler task of the control stream that serves it (cancelled when a rejoin
     #: takes over, or when it is detached).
     handler: Any = field(default=None, repr=False)
+    #: Handler tasks of its downloads in progress (cancelled when it is detached).
+    streams: set[Any] = field(default_factory=set, repr=False)
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 

@@ -533,12 +533,7 @@ class SiteDaemon:
         try:
             clock = _PhaseClock()
             deadline = instruction.deadline_unix
-            global_state = self._through_outages(
-                link,
-                deadline,
-                "download",
-                lambda: self.fetch_model(link, instruction.model_version),
-            )
+            global_state = self.fetch_model(link, instruction.model_version, deadline)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
             local, result = self._train(
@@ -667,8 +662,10 @@ class SiteDaemon:
             **{f"site_eval_{k}": float(v) for k, v in ev.metrics.items()},
         }
 
-    def fetch_model(self, link: Link, version: str) -> ModelState:
-        """The global model of `version`: from the cache, or downloaded in chunks."""
+    def fetch_model(self, link: Link, version: str, deadline_unix: float = 0.0) -> ModelState:
+        """The global model of `version`: from the cache, or downloaded in chunks. With a
+        deadline, a download that breaks off continues on the rejoined session from the
+        bytes received (ModelRequest.offset), until the deadline."""
         cached = self._cache
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
@@ -676,28 +673,41 @@ class SiteDaemon:
         # The old version's memory receives the new one (nothing else holds it now).
         previous = cached[1] if cached is not None else None
         self._cache = cached = None
-        download = link.channel.unary_stream(
-            wire.method_path("DownloadModel"),
-            request_serializer=pb.ModelRequest.SerializeToString,
-            response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
-        )
-        pieces = download(pb.ModelRequest(version=version, session_token=link.token))
-        head = next(pieces, None)
-        if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
-            raise ProtocolError("a model download must start with its manifest")
-        if head.manifest.model_version != version:
-            raise ProtocolError(
-                f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
+        assembler: StateAssembler | None = None
+
+        def attempt() -> ModelState:
+            nonlocal assembler
+            offset = assembler.bytes_received if assembler is not None else 0
+            download = link.channel.unary_stream(
+                wire.method_path("DownloadModel"),
+                request_serializer=pb.ModelRequest.SerializeToString,
+                response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
             )
-        assembler = StateAssembler(
-            [wire.spec_from_proto(s) for s in head.manifest.specs], reuse=previous
-        )
-        for piece in pieces:
-            chunk = wire.stream_chunk(piece)
-            if chunk is None:
-                raise ProtocolError("a model download holds a second manifest")
-            assembler.add(chunk)
-        state = assembler.finish()
+            request = pb.ModelRequest(version=version, session_token=link.token, offset=offset)
+            pieces = download(request)
+            head = next(pieces, None)
+            if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
+                raise ProtocolError("a model download must start with its manifest")
+            if head.manifest.model_version != version:
+                raise ProtocolError(
+                    f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
+                )
+            if assembler is None:
+                specs = [wire.spec_from_proto(s) for s in head.manifest.specs]
+                assembler = StateAssembler(specs, reuse=previous)
+            elif offset:
+                log.info("model download continues from byte %d", offset)
+            for piece in pieces:
+                chunk = wire.stream_chunk(piece)
+                if chunk is None:
+                    raise ProtocolError("a model download holds a second manifest")
+                assembler.add(chunk)
+            return assembler.finish()
+
+        if deadline_unix:
+            state = self._through_outages(link, deadline_unix, "download", attempt)
+        else:
+            state = attempt()
         self._cache = (version, state)
         self.downloads += 1
         return state
