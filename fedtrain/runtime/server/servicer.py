@@ -694,92 +694,7 @@ class FedtrainServicer:
             held.abandoned_before_start()
             raise
         try:
-            try:
-                generation, offset, superseded = await self._run(
-                    held.attach, asyncio.current_task()
-                )
-            except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
-                await self._refuse(
-                    context,
-                    session,
-                    header.round,
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{where}: the upload was discarded before it could resume",
-                )
-            if superseded is not None:  # its connection looked open, but the site moved on
-                superseded.cancel()
-            if offset:
-                log.info("%s: upload resumes at byte %d", where, offset)
-                self.audit.record(
-                    "upload_resumed", site=session.site, round=header.round, offset=offset
-                )
-            await context.send_initial_metadata(
-                (
-                    (wire.UPLOAD_GO_AHEAD, "1"),
-                    (wire.UPLOAD_ID, held.id),
-                    (wire.UPLOAD_OFFSET, str(offset)),
-                )
-            )
-            try:
-                received = await self._receive(
-                    state, session, header, held, generation, request_iterator, context
-                )
-            except (grpc.RpcError, asyncio.CancelledError, Superseded):
-                # On the loop, not awaited: a cancelled handler may be cancelled again.
-                if held.detach(generation):
-                    log.warning(
-                        "%s: the upload stream broke off at byte %d; kept %gs for the site "
-                        "to resume",
-                        where,
-                        held.offset,
-                        self.held.grace_s,
-                    )
-                    self.audit.record(
-                        "upload_paused", site=session.site, round=header.round, offset=held.offset
-                    )
-                elif held.ended and held.discarded:  # dropped meanwhile: tell the site at once
-                    await _end_cut_stream(
-                        context,
-                        f"{where}: the upload was discarded ({held.discarded}); do not resume it",
-                        grpc.StatusCode.ABORTED,
-                    )
-                # Broken, superseded by the site's resume, or cut here (the site is away):
-                # if the site can still hear it, it resumes.
-                await _end_cut_stream(
-                    context,
-                    f"{where}: the upload stream was cut after {held.offset} bytes; the "
-                    f"server keeps them for {self.held.grace_s:g}s: resume it",
-                )
-            except EndedEarly as exc:
-                if held.detach(generation):
-                    self.audit.record(
-                        "upload_paused", site=session.site, round=header.round, offset=held.offset
-                    )
-                await self._refuse(
-                    context, session, header.round, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-                )
-            except UploadRefused as exc:
-                await self._run(self.discard, held, "refused", False)
-                await self._refuse(context, session, header.round, exc.code, str(exc))
-            except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-                await self._run(self.discard, held, "rejected", False)
-                await self._refuse(
-                    context,
-                    session,
-                    header.round,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: update rejected: {exc}",
-                )
-            except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-                await self._run(self.discard, held, "failed on the server", False)
-                log.exception("%s: the upload failed on the server", where)
-                await self._refuse(
-                    context,
-                    session,
-                    header.round,
-                    grpc.StatusCode.INTERNAL,
-                    f"{where}: the server failed to store the update ({exc}); it may be retried",
-                )
+            received = await self._transfer(context, state, session, header, held, request_iterator)
         finally:
             self.transfer_slots.release()
         weight = held.weight
@@ -803,6 +718,121 @@ class FedtrainServicer:
             bytes_received=received,
             num_examples_counted=0 if weight is None else weight.weight,
             notice="" if weight is None else weight.reason,
+        )
+
+    async def _transfer(
+        self,
+        context: grpc.aio.ServicerContext,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        held: HeldUpload,
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+    ) -> int:
+        """With a transfer slot: tell the site to go (and from which byte), receive the
+        rest of the upload and fold it; a broken stream leaves it held for a resume."""
+        where = f"site {session.site!r}, round {header.round}"
+        try:
+            generation, offset, superseded = await self._run(held.attach, asyncio.current_task())
+        except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: the upload was discarded before it could resume",
+            )
+        if superseded is not None:  # its connection looked open, but the site moved on
+            superseded.cancel()
+        if offset:
+            log.info("%s: upload resumes at byte %d", where, offset)
+            self.audit.record(
+                "upload_resumed", site=session.site, round=header.round, offset=offset
+            )
+        await context.send_initial_metadata(
+            (
+                (wire.UPLOAD_GO_AHEAD, "1"),
+                (wire.UPLOAD_ID, held.id),
+                (wire.UPLOAD_OFFSET, str(offset)),
+            )
+        )
+        try:
+            return await self._receive(
+                state, session, header, held, generation, request_iterator, context
+            )
+        except (grpc.RpcError, asyncio.CancelledError, Superseded):
+            await self._broke_off(context, session, header, held, generation)
+        except EndedEarly as exc:
+            self._pause(session, header, held, generation)
+            await self._refuse(
+                context, session, header.round, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            )
+        except UploadRefused as exc:
+            await self._run(self.discard, held, "refused", False)
+            await self._refuse(context, session, header.round, exc.code, str(exc))
+        except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
+            await self._run(self.discard, held, "rejected", False)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: update rejected: {exc}",
+            )
+        except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
+            await self._run(self.discard, held, "failed on the server", False)
+            log.exception("%s: the upload failed on the server", where)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INTERNAL,
+                f"{where}: the server failed to store the update ({exc}); it may be retried",
+            )
+
+    def _pause(
+        self, session: Session, header: pb.UploadHeader, held: HeldUpload, generation: int
+    ) -> bool:
+        """Keep an upload whose stream `generation` ended short (on the loop, not awaited:
+        a cancelled handler may be cancelled again); False if another stream feeds it
+        now or it was discarded."""
+        if not held.detach(generation):
+            return False
+        log.warning(
+            "site %r, round %d: the upload stream broke off at byte %d; kept %gs for the "
+            "site to resume",
+            session.site,
+            header.round,
+            held.offset,
+            self.held.grace_s,
+        )
+        self.audit.record(
+            "upload_paused", site=session.site, round=header.round, offset=held.offset
+        )
+        return True
+
+    async def _broke_off(
+        self,
+        context: grpc.aio.ServicerContext,
+        session: Session,
+        header: pb.UploadHeader,
+        held: HeldUpload,
+        generation: int,
+    ) -> NoReturn:
+        """The stream broke, was superseded by the site's resume, or was cut here (the
+        site is away, or was dropped): keep the upload if it is still the site's, and
+        tell the site, if it can still hear us, what to do."""
+        where = f"site {session.site!r}, round {header.round}"
+        if not self._pause(session, header, held, generation) and held.discarded:
+            await _end_cut_stream(
+                context,
+                f"{where}: the upload was discarded ({held.discarded}); do not resume it",
+                grpc.StatusCode.ABORTED,
+            )
+        await _end_cut_stream(
+            context,
+            f"{where}: the upload stream was cut after {held.offset} bytes; the server keeps "
+            f"them for {self.held.grace_s:g}s: resume it",
         )
 
     def _new_upload(
