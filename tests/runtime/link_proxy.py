@@ -39,7 +39,16 @@ class LinkProxy:
     def pause(self) -> None:
         self._flowing.clear()
 
-    def resume(self) -> None:
+    def resume(self, *, drop_connections: bool = False) -> None:
+        """End the outage; with `drop_connections` the connections made before it are
+        gone (reset, as after a NAT or firewall forgot them): only new ones carry data."""
+        if drop_connections:
+            with self._lock:
+                sockets, self._sockets = self._sockets, []
+            for sock in sockets:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.close()
         self._flowing.set()
 
     @property

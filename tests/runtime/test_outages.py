@@ -7,6 +7,7 @@ it is dropped, its upload discarded at once, and the round ends without it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from typing import Any
@@ -56,7 +57,7 @@ def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> A
         sites=sites,
         rounds=1,
         chunk_bytes=CHUNK_BYTES,
-        heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": grace_s},
+        heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": grace_s},
         **extra,
     )
     stop_after.append(server)
@@ -79,9 +80,11 @@ def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes
     assert server.wait(60) and server.coordinator.error is None
     record = _round(server, 1)
     assert record["dropped"] == [] and record["clients"] == 1
-    assert [r["site"] for r in _audit(server, "rejoin")] == ["far"]
+    assert {r["site"] for r in _audit(server, "rejoin")} == {"far"}
     resumed = _audit(server, "upload_resumed")
-    assert resumed[0]["offset"] == paused[0]["offset"] > 0
+    # From where it stopped (a chunk still being journaled when the break was noticed
+    # may add to what the server holds).
+    assert resumed[0]["offset"] >= paused[0]["offset"] > 0
     # Nothing the server held was sent again (the chunk in flight was never received).
     assert server.coordinator.transfers.total_in == update_bytes
     leaves = [r["reason"] for r in _audit(server, "leave")]
@@ -131,7 +134,7 @@ def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
         chunk_bytes=16 * 1024,
         round_timeout_s=120.0,
         secagg={"enabled": True, "clip": 4.0, "bits": 28, "max_clients": 8, "max_weight": 1e3},
-        heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": 30.0},
+        heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": 30.0},
     )
     stop_after.append(server)
     proxy = LinkProxy(f"127.0.0.1:{server.port}")
@@ -146,7 +149,7 @@ def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
     assert server.wait(90) and server.coordinator.error is None
     unmasked = _audit(server, "secagg_unmasked")[0]
     assert unmasked["included"] == ["a", "b", "far"] and unmasked["dropped"] == []
-    assert _audit(server, "upload_resumed")[0]["offset"] == paused[0]["offset"] > 0
+    assert _audit(server, "upload_resumed")[0]["offset"] >= paused[0]["offset"] > 0
     assert _round(server, 1)["dropped"] == []
 
 
@@ -196,11 +199,14 @@ def test_a_download_broken_off_continues_from_the_bytes_the_site_holds(
     site = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
     wait_for(lambda: proxy.paused, 60, "the link to fail mid-download")
     wait_for(lambda: _audit(server, "site_away"), 10, "the server to notice the outage")
-    proxy.resume()
+    # The old connection is gone (else the rest of the model, already in the sockets'
+    # buffers, would simply arrive).
+    proxy.resume(drop_connections=True)
     assert server.wait(60) and server.coordinator.error is None
     resumed = _audit(server, "download_resumed")
     assert resumed and 0 < resumed[0]["offset"] < model_bytes
-    assert resumed[0]["offset"] % CHUNK_BYTES == 0
+    sizes = [len(c.data) for c in server.coordinator.global_model.state.chunks(CHUNK_BYTES)]
+    assert resumed[0]["offset"] in itertools.accumulate(sizes)  # whole chunks only
     assert site.downloads == 1 and _round(server, 1)["dropped"] == []
     # What was sent again is what the dead link swallowed, not the part the site held.
     assert server.coordinator.transfers.total_out < 2 * model_bytes
