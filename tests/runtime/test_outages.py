@@ -87,8 +87,7 @@ def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes
     assert resumed[0]["offset"] >= paused[0]["offset"] > 0
     # Nothing the server held was sent again (the chunk in flight was never received).
     assert server.coordinator.transfers.total_in == update_bytes
-    leaves = [r["reason"] for r in _audit(server, "leave")]
-    assert leaves == ["run complete"]
+    assert not any("grace" in r["reason"] for r in _audit(server, "leave"))  # never dropped
 
 
 def test_a_site_away_past_the_grace_is_dropped_and_its_upload_discarded_at_once(

@@ -66,6 +66,12 @@ def _break_after(
     return upload_id, call, gate
 
 
+def _wait_held(server: AggregationServer, size: int) -> None:
+    """Until alpha's upload holds `size` bytes (journaled, not only received)."""
+    held = server.servicer.held
+    wait_for(lambda: (u := held.of_site("alpha")) and u.offset >= size, 10, "alpha's chunks")
+
+
 def _resume(
     site: FakeSite, first: pb.UpdateChunk, delta: ModelState, upload_id: str
 ) -> tuple[int, Any]:
@@ -104,7 +110,7 @@ def test_a_stream_broken_mid_upload_resumes_from_its_offset_and_the_sum_is_bit_i
     chunks = chunk_messages(da.chunks(CHUNK))
     transfers = server.coordinator.transfers
     upload_id, call, gate = _break_after(a, first, chunks, 3)
-    wait_for(lambda: transfers.total_in >= 3 * CHUNK, 10, "alpha's first chunks")
+    _wait_held(server, 3 * CHUNK)
     call.cancel()  # the stream breaks off
     gate.set()
     wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
@@ -140,7 +146,7 @@ def test_a_rogue_resume_is_refused_and_audited(tmp_path, stop_after) -> None:
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
     upload_id, call, gate = _break_after(a, first, chunks, 2)
-    wait_for(lambda: server.coordinator.transfers.total_in >= 2 * CHUNK, 10, "alpha's chunks")
+    _wait_held(server, 2 * CHUNK)
     call.cancel()
     gate.set()
     wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
@@ -185,7 +191,7 @@ def test_a_broken_upload_cannot_be_resumed_after_its_grace(tmp_path, stop_after)
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
     upload_id, call, gate = _break_after(a, first, chunks, 2)
-    wait_for(lambda: server.coordinator.transfers.total_in >= 2 * CHUNK, 10, "alpha's chunks")
+    _wait_held(server, 2 * CHUNK)
     call.cancel()
     gate.set()
     discarded = wait_for(lambda: _audit(server, "upload_discarded"), 10, "the grace to pass")
@@ -214,7 +220,7 @@ def test_a_broken_upload_cannot_continue_into_another_round(tmp_path, stop_after
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
     upload_id, call, gate = _break_after(a, first, chunks, 2)
-    wait_for(lambda: server.coordinator.transfers.total_in >= 2 * CHUNK, 10, "alpha's chunks")
+    _wait_held(server, 2 * CHUNK)
     call.cancel()
     gate.set()
     wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
