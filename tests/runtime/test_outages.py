@@ -64,12 +64,18 @@ def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> A
     return server
 
 
+def _proxy(server: AggregationServer, stop_after: list[Any]) -> LinkProxy:
+    """A link between sites and `server` that the test can fail."""
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    return proxy
+
+
 def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes(
     tmp_path, stop_after
 ) -> None:
     server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
-    proxy = LinkProxy(f"127.0.0.1:{server.port}")
-    stop_after.append(proxy)
+    proxy = _proxy(server, stop_after)
     update_bytes = server.coordinator.global_model.state.nbytes
     proxy.pause_after_up(update_bytes // 2)  # join, heartbeats, then half the upload
     _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
@@ -94,8 +100,7 @@ def test_a_site_away_past_the_grace_is_dropped_and_its_upload_discarded_at_once(
     tmp_path, stop_after
 ) -> None:
     server = _server(tmp_path, stop_after, sites=2, grace_s=1.0, strategy={"min_fit_clients": 1})
-    proxy = LinkProxy(f"127.0.0.1:{server.port}")
-    stop_after.append(proxy)
+    proxy = _proxy(server, stop_after)
     update_bytes = server.coordinator.global_model.state.nbytes
     proxy.pause_after_up(update_bytes // 2)
     far = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
@@ -136,8 +141,7 @@ def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
         heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": 30.0},
     )
     stop_after.append(server)
-    proxy = LinkProxy(f"127.0.0.1:{server.port}")
-    stop_after.append(proxy)
+    proxy = _proxy(server, stop_after)
     masked_bytes = server.coordinator.global_model.state.nbytes + 4  # int32 per value + weight
     proxy.pause_after_up(masked_bytes // 2)  # the secagg stages are a few KB before it
     for name, address in (("a", None), ("b", None), ("far", proxy.address)):
@@ -191,8 +195,7 @@ def test_a_download_broken_off_continues_from_the_bytes_the_site_holds(
     tmp_path, stop_after
 ) -> None:
     server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
-    proxy = LinkProxy(f"127.0.0.1:{server.port}")
-    stop_after.append(proxy)
+    proxy = _proxy(server, stop_after)
     model_bytes = server.coordinator.global_model.state.nbytes
     proxy.pause_after_down(model_bytes // 2)  # welcome, instruction, then half the model
     site = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)

@@ -50,10 +50,10 @@ def _delta(server: AggregationServer, seed: int) -> ModelState:
 
 
 def _break_after(
-    site: FakeSite, header: pb.UpdateChunk, chunks: list[Any], sent: int
-) -> tuple[str, Any, threading.Event]:
-    """Send the header and `sent` chunks and hold the stream open: (the upload's id, the
-    call to cancel, the event that ends the stream's generator)."""
+    server: AggregationServer, site: FakeSite, header: pb.UpdateChunk, chunks: list[Any], sent: int
+) -> str:
+    """Send the header and `sent` chunks, then break the stream once the server journaled
+    them; the upload's id (told with the go-ahead)."""
     gate = threading.Event()
 
     def stream() -> Iterator[pb.UpdateChunk]:
@@ -63,7 +63,11 @@ def _break_after(
 
     call = site.stub.UploadUpdate.future(stream(), timeout=30)
     upload_id = dict(call.initial_metadata())[wire.UPLOAD_ID]
-    return upload_id, call, gate
+    _wait_held(server, sum(len(c.chunk.data) for c in chunks[:sent]))
+    call.cancel()  # the stream breaks off
+    gate.set()
+    wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
+    return upload_id
 
 
 def _wait_held(server: AggregationServer, size: int) -> None:
@@ -109,11 +113,7 @@ def test_a_stream_broken_mid_upload_resumes_from_its_offset_and_the_sum_is_bit_i
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
     transfers = server.coordinator.transfers
-    upload_id, call, gate = _break_after(a, first, chunks, 3)
-    _wait_held(server, 3 * CHUNK)
-    call.cancel()  # the stream breaks off
-    gate.set()
-    wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
+    upload_id = _break_after(server, a, first, chunks, 3)
 
     offset, resumed = _resume(a, first, da, upload_id)
     assert offset == 3 * CHUNK  # everything that arrived, nothing more
@@ -145,11 +145,7 @@ def test_a_rogue_resume_is_refused_and_audited(tmp_path, stop_after) -> None:
     da = _delta(server, 1)
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
-    upload_id, call, gate = _break_after(a, first, chunks, 2)
-    _wait_held(server, 2 * CHUNK)
-    call.cancel()
-    gate.set()
-    wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
+    upload_id = _break_after(server, a, first, chunks, 2)
 
     def refused(site: FakeSite, messages: list[pb.UpdateChunk]) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as info:
@@ -190,10 +186,7 @@ def test_a_broken_upload_cannot_be_resumed_after_its_grace(tmp_path, stop_after)
     da = _delta(server, 1)
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
-    upload_id, call, gate = _break_after(a, first, chunks, 2)
-    _wait_held(server, 2 * CHUNK)
-    call.cancel()
-    gate.set()
+    upload_id = _break_after(server, a, first, chunks, 2)
     discarded = wait_for(lambda: _audit(server, "upload_discarded"), 10, "the grace to pass")
     assert discarded[0]["bytes"] == 2 * CHUNK and "upload_grace_s" in discarded[0]["reason"]
     assert "alpha" not in server.coordinator.current.uploading
@@ -219,11 +212,7 @@ def test_a_broken_upload_cannot_continue_into_another_round(tmp_path, stop_after
     da = _delta(server, 1)
     first = a.header(1, num_examples=10, model_version=version)
     chunks = chunk_messages(da.chunks(CHUNK))
-    upload_id, call, gate = _break_after(a, first, chunks, 2)
-    _wait_held(server, 2 * CHUNK)
-    call.cancel()
-    gate.set()
-    wait_for(lambda: _audit(server, "upload_paused"), 10, "the server to keep the upload")
+    upload_id = _break_after(server, a, first, chunks, 2)
     a.report_error(1, "gives up on round 1")  # the round needs only two of three
     for site, seed in ((b, 2), (c, 3)):
         delta = chunk_messages(_delta(server, seed).chunks(CHUNK))
