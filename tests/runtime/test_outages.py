@@ -231,3 +231,31 @@ def test_a_download_from_an_offset_sends_only_the_chunks_after_it(tmp_path, stop
         with pytest.raises(grpc.RpcError) as info:
             list(site.stub.DownloadModel(bad))
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, stop_after) -> None:
+    """The server may not have noticed the outage yet when the site comes back on a new
+    connection: the rejoin ends the old stream, and its end does not drop the session."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 20.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    old = FakeSite(server.port, "alpha", fp)
+    stop_after.append(old)
+    first = old.expect("instruction").instruction
+    new = FakeSite(server.port, "alpha", fp, resume_token=old.token)
+    stop_after.append(new)
+    assert new.welcome.resumed and new.token == old.token
+    assert old.inbox.get(timeout=10) is None  # the old stream was ended by the server
+    again = new.expect("instruction").instruction
+    assert again.SerializeToString() == first.SerializeToString()
+    session = server.registry.get("alpha")
+    assert session is not None and session.detached_at is None and not session.closed
+    delta = server.coordinator.global_model.state.clone()
+    new.upload(
+        [new.header(1, model_version=first.model_version), *chunk_messages(delta.chunks(16))]
+    )
+    assert server.wait(20) and server.coordinator.error is None
+    assert _round(server, 1)["dropped"] == [] and not _audit(server, "site_away")

@@ -234,7 +234,7 @@ class FedtrainServicer:
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
-        reader = asyncio.create_task(self._read(session, context))
+        reader = asyncio.create_task(self._read(session, context, asyncio.current_task()))
         broke = False
         try:
             await context.write(pb.ServerMessage(welcome=welcome))
@@ -429,8 +429,9 @@ class FedtrainServicer:
                 refusal.reason,
             )
 
-    async def _read(self, session: Session, context: grpc.aio.ServicerContext) -> None:
-        """Consume a site's control messages (a task beside the handler that sends)."""
+    async def _read(self, session: Session, context: grpc.aio.ServicerContext, owner: Any) -> None:
+        """Consume a site's control messages (a task beside `owner`, the handler that
+        sends); once a rejoin has taken the session over, this stream's end is no news."""
         reason = "control stream ended by the site"
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
@@ -458,9 +459,11 @@ class FedtrainServicer:
                     log.warning("site %r: %s", session.site, reason)
                     break
         except grpc.RpcError:
-            self._lost(session, "control stream broke")
+            if session.handler is owner:
+                self._lost(session, "control stream broke")
             return
-        self._leave(session, reason)
+        if session.handler is owner:
+            self._leave(session, reason)
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
