@@ -97,6 +97,8 @@ def _write_configs(
     tls: bool,
     timeout: float,
     server_options: Mapping[str, Any],
+    host: str = "127.0.0.1",
+    task_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, list[Path]]:
     """server.toml (``server_options`` on top) and site-i.toml (plus a CA and
     certificates when ``tls``)."""
@@ -104,8 +106,8 @@ def _write_configs(
     from fedtrain.runtime.demo import dump_toml
 
     names = [f"site-{i}" for i in range(num_sites)]
-    address = f"127.0.0.1:{port}"
-    options = {"num_params": num_params}
+    address = f"{host}:{port}"
+    options = {"num_params": num_params, **(task_options or {})}
     server: dict[str, Any] = {
         "task": TASK,
         "task_options": options,
@@ -122,7 +124,7 @@ def _write_configs(
     if tls:
         ca_dir = workdir / "pki" / "ca"
         fedtls.init_ca(ca_dir, name="fedtrain-bench-ca", days=2)
-        cert, key = fedtls.issue_server(ca_dir, workdir / "pki" / "server", ["127.0.0.1"], days=1)
+        cert, key = fedtls.issue_server(ca_dir, workdir / "pki" / "server", [host], days=1)
         ca = ca_dir / fedtls.CA_CERT
         server["allowed_sites"] = names
         server["tls"] = {"ca": ca, "cert": cert, "key": key}
@@ -232,10 +234,22 @@ def run_fedtrain_deployment(
     *,
     tls: bool = False,
     server_options: Mapping[str, Any] | None = None,
+    host: str = "127.0.0.1",
+    wrap: Callable[[str, list[str]], list[str]] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    all_sites_required: bool = True,
+    task_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on fedtrain's runtime.
 
-    ``server_options`` are server.toml keys set on top of the benchmark's own.
+    ``server_options`` are server.toml keys set on top of the benchmark's own;
+    ``task_options`` are FlatTask options besides ``num_params``.
+    ``host`` is the address the server listens on and the sites dial; ``wrap(name,
+    argv)`` returns the command that runs process ``name`` (``server``, ``site-i``),
+    e.g. inside a network namespace (it must exec, keeping the PID); ``extra_env`` is
+    added to every process's environment. With ``all_sites_required=False`` a round
+    that aggregated fewer than ``num_sites`` updates is an outcome
+    (``clients_per_round``), not an error.
 
     ``workdir`` (emptied first) receives the TOML files, PKI, logs and the run
     directory. Every process started is stopped before returning, even on error or
@@ -256,7 +270,16 @@ def run_fedtrain_deployment(
     logs = workdir / "logs"
     logs.mkdir(parents=True)
     server_toml, site_tomls = _write_configs(
-        workdir, num_params, num_sites, rounds, _free_port(), tls, timeout_s, server_options or {}
+        workdir,
+        num_params,
+        num_sites,
+        rounds,
+        _free_port(),
+        tls,
+        timeout_s,
+        server_options or {},
+        host,
+        task_options,
     )
     marker = uuid.uuid4().hex
     env = dict(os.environ)
@@ -267,6 +290,7 @@ def run_fedtrain_deployment(
                 [str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
             ),
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
     )
     secure_flag = [] if tls else ["--insecure"]
@@ -280,8 +304,9 @@ def run_fedtrain_deployment(
     def spawn(name: str, args: list[str], stdout_pipe: bool = False) -> subprocess.Popen[bytes]:
         log_file = (logs / f"{name}.log").open("wb")
         log_files.append(log_file)
+        argv = [sys.executable, "-m", "fedtrain.cli", *args]
         popen = subprocess.Popen(
-            [sys.executable, "-m", "fedtrain.cli", *args],
+            wrap(name, argv) if wrap else argv,
             env=env,
             cwd=workdir,
             stdin=subprocess.DEVNULL,
@@ -331,7 +356,7 @@ def run_fedtrain_deployment(
     checksum = _checksum(workdir / "run" / "model.pt") if error is None else None
     if error is None and len(s_per_round) != rounds:
         error = f"expected {rounds} rounds, got {len(s_per_round)}"
-    if error is None and any(r.get("clients") != num_sites for r in records):
+    if all_sites_required and error is None and any(r.get("clients") != num_sites for r in records):
         error = f"a round aggregated fewer than {num_sites} sites: {records}"
     if leftovers:
         error = (error + "; " if error else "") + f"leftover processes: {leftovers}"
@@ -350,6 +375,7 @@ def run_fedtrain_deployment(
         "breakdown": parse_breakdown(logs, num_sites),
         "arrivals": arrivals,
         "bytes_per_round": [r.get("bytes") for r in records],
+        "clients_per_round": [r.get("clients") for r in records],
         "checksum": checksum,
         "ok": error is None,
         "error": error,

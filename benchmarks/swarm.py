@@ -53,6 +53,7 @@ from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.server.local_status import socket_address
 from fedtrain.runtime.status import ServerUnreachable, fetch_status
 from fedtrain.tensors import ModelState
 
@@ -283,7 +284,8 @@ class SwarmRun:
     rss_idle_mb: float = 0.0
     rss_peak_mb: float = 0.0
     idle_cpu_pct: float | None = None
-    status_max_s: float | None = None
+    status_max_s: float | None = None  # on the sites' port (the main loop)
+    local_status_max_s: float | None = None  # on the run dir's socket (its own thread)
     dropped: int = 0
     upload_errors: int = 0
     aggregate_max_error: float | None = None
@@ -300,7 +302,8 @@ class SwarmRun:
             f"| {cpu if cpu is None else round(cpu, 2)} | {per_site} | {self.threads_idle} / "
             f"{self.threads_peak} | {self.rss_idle_mb:.0f} / {self.rss_peak_mb:.0f} | "
             f"{_pct(self.idle_cpu_pct)} | "
-            f"{_secs(self.status_max_s)} | {self.dropped} | {_err(self.aggregate_max_error)} "
+            f"{_secs(self.status_max_s)} | {_secs(self.local_status_max_s)} | {self.dropped} | "
+            f"{_err(self.aggregate_max_error)} "
             f"| {self.note} |"
         )
 
@@ -320,8 +323,8 @@ def _err(v: float | None) -> str:
 HEADER = (
     "| sites | joined | joins refused | rounds | round s (min-max) | server CPU s/round | "
     "server CPU ms/site/round | threads idle / peak | RSS idle / peak MB | idle CPU (one core) | "
-    "Status max s | dropped | aggregate max error | note |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "Status max s (port) | Status max s (socket) | dropped | aggregate max error | note |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -400,6 +403,7 @@ def run_swarm(
         pipes[-1].recv()
         cpu_start = cpu_last = sum(proc.cpu_times()[:2])
         status_times: list[float] = []
+        local_times: list[float] = []
         peak_rss = 0
         last_status = 0.0
         last_progress = time.monotonic()
@@ -415,11 +419,13 @@ def run_swarm(
                 last_status = time.monotonic()
                 with contextlib.suppress(ServerUnreachable):  # the run may have just ended
                     status_times.append(_status_seconds(address))
+                    local_times.append(_status_seconds(socket_address(run_dir)))
             time.sleep(0.25)
         if server.poll() is None:
             result.note = f"timed out after {timeout_s:.0f}s; sites {_steps(pipes)}"
         result.rss_peak_mb = peak_rss / 2**20
         result.status_max_s = max(status_times) if status_times else None
+        result.local_status_max_s = max(local_times) if local_times else None
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
         result.rounds_done = len(metrics)
         result.round_seconds = [float(m["seconds"]) for m in metrics]

@@ -289,6 +289,17 @@ def _status_target(args: argparse.Namespace):
     from fedtrain.errors import ConfigError
     from fedtrain.runtime.peer_auth import client_identity
 
+    if args.run_dir is not None:  # the server's own host: its owner-only local socket
+        tls_flags = (args.server, args.config, args.insecure, args.ca, args.cert, args.key)
+        if any(tls_flags) or args.server_name:
+            raise ConfigError(
+                "--run-dir asks the server's local status socket (no TLS); it excludes "
+                "--server, --config, --insecure, --server-name and --ca/--cert/--key"
+            )
+        from fedtrain.runtime.server.local_status import socket_address, trusted_socket
+
+        trusted_socket(args.run_dir)
+        return socket_address(args.run_dir), None, ""
     site = None
     if args.config:  # only its server and [tls]: no torch (the whole schema imports it)
         from fedtrain.runtime.tls_config import read_site_server
@@ -296,7 +307,10 @@ def _status_target(args: argparse.Namespace):
         site = read_site_server(args.config)
     address = args.server or (site.server if site else None)
     if not address:
-        raise ConfigError("fedtrain status needs --server HOST:PORT (or --config site.toml)")
+        raise ConfigError(
+            "fedtrain status needs --server HOST:PORT (or --config site.toml, or --run-dir "
+            "RUN_DIR on the server's host)"
+        )
     if args.insecure:
         if args.ca or args.cert or args.key:
             raise ConfigError("--insecure and --ca/--cert/--key exclude each other; pick one")
@@ -446,6 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--server", metavar="HOST:PORT", help="the server's address")
     status.add_argument(
         "--config", type=Path, help="site.toml: take the server address and [tls] from it"
+    )
+    status.add_argument(
+        "--run-dir",
+        dest="run_dir",
+        type=Path,
+        help="on the server's host: ask through RUN_DIR/status.sock (no TLS, answers "
+        "however busy the server is)",
     )
     status.add_argument("--ca", type=Path, help="the federation's ca.crt")
     status.add_argument("--cert", type=Path, help="a certificate issued by that CA")

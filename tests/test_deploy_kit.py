@@ -76,12 +76,17 @@ def test_the_server_resumes_from_a_persistent_volume_and_its_probes_ask_fedtrain
     assert "secret" in volumes["tls"] and config.tls.key.startswith(tls_mount + "/")
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert config.address.endswith(f":{ports['grpc']}") and config.metrics_port == ports["metrics"]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):  # over TLS, on the sites' port
         command = container[probe]["exec"]["command"]
         assert command[:2] == ["fedtrain", "status"]
         status = build_parser().parse_args(command[1:])
         assert status.server.endswith(f":{ports['grpc']}")
         assert str(status.key).startswith(mounts["probe"] + "/") and "secret" in volumes["probe"]
+    # liveness: the run dir's local socket, which a busy server still answers at once
+    liveness = container["livenessProbe"]["exec"]["command"]
+    assert liveness[:2] == ["fedtrain", "status"]
+    assert str(build_parser().parse_args(liveness[1:]).run_dir) == config.run_dir
+    assert config.status_socket
     services = {d["metadata"]["name"]: d for d in documents() if d["kind"] == "Service"}
     targets = {p["targetPort"] for s in services.values() for p in s["spec"]["ports"]}
     assert targets == {"grpc", "metrics"}

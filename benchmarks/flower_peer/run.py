@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -98,12 +98,12 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def write_flwr_config(flwr_home: Path, port: int) -> None:
+def write_flwr_config(flwr_home: Path, port: int, host: str = "127.0.0.1") -> None:
     """Point the ``bench`` connection of ``flwr run`` at our SuperLink."""
     flwr_home.mkdir(parents=True, exist_ok=True)
     (flwr_home / "config.toml").write_text(
         f'[superlink]\ndefault = "{FEDERATION}"\n\n'
-        f'[superlink.{FEDERATION}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+        f'[superlink.{FEDERATION}]\naddress = "{host}:{port}"\ninsecure = true\n'
     )
 
 
@@ -113,17 +113,32 @@ def _write_run_config(path: Path, values: dict[str, Any]) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def listening(pid: int, port: int) -> bool:
+    """Whether a TCP socket listens on ``port`` in the network namespace of process ``pid``.
+
+    Read from ``/proc/PID/net/tcp`` (state 0A = LISTEN), so it also sees a SuperLink
+    started inside another network namespace, which a connect from here cannot reach.
+    """
+    try:
+        lines = Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+            return True
+    return False
+
+
 def wait_for_port(port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
-    """Block until something accepts TCP connections on ``port`` (or fail)."""
+    """Block until ``proc``'s network namespace listens on TCP ``port`` (or fail)."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"superlink exited with code {proc.returncode} before listening")
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.settimeout(0.5)
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if listening(proc.pid, port):
+            return
         time.sleep(0.1)
-    raise TimeoutError(f"superlink did not listen on 127.0.0.1:{port} in time")
+    raise TimeoutError(f"superlink did not listen on port {port} in time")
 
 
 def read_results(path: Path) -> dict[str, Any] | None:
@@ -164,14 +179,26 @@ def run_flower_deployment(
     timeout_s: float,
     *,
     client_torch: bool = False,
+    host: str = "127.0.0.1",
+    wrap: Callable[[str, list[str]], list[str]] | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    round_timeout_s: float | None = None,
+    incompressible: bool = False,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on Flower's deployment engine.
 
     Starts one SuperLink and ``num_sites`` SuperNodes on loopback, runs the app in
     ``app/`` via ``flwr run``, and always kills every process it started, even on
-    error or timeout. ``workdir`` receives the app copy, ``FLWR_HOME``, logs and the
-    ServerApp's timing file; it is emptied first. ``client_torch`` makes each
-    ``flwr-clientapp`` do its add through torch (and so import torch every message).
+    error or timeout. ``host`` is the address the SuperLink listens on and the
+    SuperNodes dial; ``wrap(name, argv)`` returns the command that runs process
+    ``name`` (``superlink``, ``site-i``, ``flwr-cli``), e.g. inside a network namespace
+    (it must exec, keeping the PID); ``extra_env`` is added to every process's
+    environment; ``round_timeout_s`` is the ServerApp's per-round timeout (default:
+    the whole run's); ``incompressible`` starts from seeded random values and gives
+    each site its own delta, so no chunk is deduplicated. ``workdir`` receives the app
+    copy, ``FLWR_HOME``, logs and the ServerApp's timing file; it is emptied first.
+    ``client_torch`` makes each ``flwr-clientapp`` do its add through torch (and so
+    import torch every message).
 
     Returns a dict with ``s_per_round`` (wall seconds per round, round 1 timed from
     the moment enough SuperNodes were sampled), ``median_s_per_round``, ``peak_rss``
@@ -198,19 +225,20 @@ def run_flower_deployment(
     run_config_path = workdir / "run_config.toml"
 
     link_port, *node_ports = free_ports(1 + num_sites)
-    write_flwr_config(flwr_home, link_port)
+    write_flwr_config(flwr_home, link_port, host)
     _write_run_config(
         run_config_path,
         {
             "num-server-rounds": rounds,
             "num-params": num_params,
             "num-sites": num_sites,
-            "round-timeout": float(timeout_s),
+            "round-timeout": float(round_timeout_s or timeout_s),
             "client-torch": client_torch,
+            "incompressible": incompressible,
             "results-path": str(results_path),
         },
     )
-    env = flower_env(flwr_home)
+    env = {**flower_env(flwr_home), **(extra_env or {})}
 
     popens: list[subprocess.Popen[bytes]] = []
     log_files: list[IO[bytes]] = []
@@ -221,7 +249,7 @@ def run_flower_deployment(
         log_file = (logs / f"{name}.log").open("wb")
         log_files.append(log_file)
         popen = subprocess.Popen(
-            cmd,
+            wrap(name, cmd) if wrap else cmd,
             env=env,
             cwd=workdir,
             stdin=subprocess.DEVNULL,
@@ -239,7 +267,7 @@ def run_flower_deployment(
                 "flower-superlink",
                 "--insecure",
                 "--host",
-                "127.0.0.1",
+                host,
                 "--port",
                 str(link_port),
                 "--disable-runtime-dependency-installation",
@@ -255,7 +283,7 @@ def run_flower_deployment(
                     "flower-supernode",
                     "--insecure",
                     "--superlink",
-                    f"127.0.0.1:{link_port}",
+                    f"{host}:{link_port}",
                     "--host",
                     "127.0.0.1",
                     "--port",
@@ -311,6 +339,7 @@ def run_flower_deployment(
         "error": error,
         "wall_s": time.monotonic() - t_begin,
         "checksum": results.get("checksum"),
+        "results_per_round": results.get("results_per_round", []),
         "leftover_processes": leftovers,
         "workdir": str(workdir),
     }

@@ -40,6 +40,9 @@ METRICS: dict[str, str] = {
     "fedtrain_connected_sites": "Sites connected right now.",
     "fedtrain_sites_required": "Sites that must be connected before a round starts.",
     "fedtrain_site_last_seen_seconds": "Seconds since each connected site (label site) was heard.",
+    "fedtrain_site_link_bits_per_second": (
+        "Each site's link (labels site, direction down|up) as measured from its transfers."
+    ),
     "fedtrain_round": "The round in progress, or the last completed one between rounds.",
     "fedtrain_round_attempt": "Attempt of the round in progress (retried when too few report).",
     "fedtrain_rounds_completed": "Rounds completed in this run (survives --resume).",
@@ -197,9 +200,18 @@ class LiveCollector(Collector):
             METRICS["fedtrain_site_last_seen_seconds"],
             labels=["site"],
         )
+        link = GaugeMetricFamily(
+            "fedtrain_site_link_bits_per_second",
+            METRICS["fedtrain_site_link_bits_per_second"],
+            labels=["site", "direction"],
+        )
         for site in s.sites:
             seen.add_metric([site.name], site.last_heartbeat_age_s)
+            for direction, bps in (("down", site.down_bps), ("up", site.up_bps)):
+                if bps is not None:
+                    link.add_metric([site.name, direction], 8 * bps)
         yield seen
+        yield link
         phase = GaugeMetricFamily("fedtrain_phase", METRICS["fedtrain_phase"], labels=["phase"])
         for name in PHASES:
             phase.add_metric([name], int(name == s.phase))

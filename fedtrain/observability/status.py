@@ -35,6 +35,19 @@ class SiteState:
     name: str
     connected_for_s: float
     last_heartbeat_age_s: float
+    #: The site's link as the server measured it (bytes/s; None until measured).
+    down_bps: float | None = None
+    up_bps: float | None = None
+
+    def link(self) -> str:
+        """ "down 12.3 / up 4.5 Mbit/s", or "" before any transfer was measured."""
+        if self.down_bps is None and self.up_bps is None:
+            return ""
+        return f"down {_mbit(self.down_bps)} / up {_mbit(self.up_bps)} Mbit/s"
+
+
+def _mbit(bps: float | None) -> str:
+    return "?" if bps is None else f"{bps * 8 / 1e6:.1f}"
 
 
 @dataclass(frozen=True)
@@ -99,9 +112,10 @@ def render_text(state: ServerState) -> str:
     """Plain lines: for logs, pipes and scripts that grep."""
     lines = [f"{key}: {value}" for key, value in _summary(state)]
     for site in state.sites:
+        link = f", link {site.link()}" if site.link() else ""
         lines.append(
             f"site {site.name}: connected {site.connected_for_s:.0f}s, last heard "
-            f"{site.last_heartbeat_age_s:.1f}s ago"
+            f"{site.last_heartbeat_age_s:.1f}s ago{link}"
         )
     if state.last_metrics:
         done = _value(state.last_metrics.get("round", state.rounds_completed))
@@ -123,9 +137,13 @@ def render_rich(state: ServerState, console: Console) -> None:
     sites.add_column("site")
     sites.add_column("connected for", justify="right")
     sites.add_column("last heard", justify="right")
+    sites.add_column("link (measured)", justify="right")
     for site in state.sites:
         sites.add_row(
-            site.name, f"{site.connected_for_s:.0f} s", f"{site.last_heartbeat_age_s:.1f} s ago"
+            site.name,
+            f"{site.connected_for_s:.0f} s",
+            f"{site.last_heartbeat_age_s:.1f} s ago",
+            site.link() or "-",
         )
     parts: list[Table] = [overview, sites]
     if state.last_metrics:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fedtrain.compression.settings import CompressionSettings
+from fedtrain.compression.downlink import DOWNLOAD_CODECS
+from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import from_dict, load_toml, option, section
 from fedtrain.errors import ConfigError
 from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
@@ -235,6 +236,12 @@ class ServerConfig:
         "Interface of the metrics endpoint ('0.0.0.0' for all). Plain HTTP without "
         "authentication: expose it only to your monitoring network.",
     )
+    status_socket: bool = option(
+        True,
+        "Also answer Status on RUN_DIR/status.sock (a Unix socket, owner-only, no TLS) "
+        "from a thread of its own, so `fedtrain status --run-dir` and probes on the "
+        "server's host answer in milliseconds however busy the rounds keep the main port.",
+    )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
@@ -257,6 +264,12 @@ class ServerConfig:
         CompressionSettings,
         'Update codec the sites encode with (`compression = "int8"` or a table); told to '
         "each site when it joins, decoded here before folding. Not with secure aggregation.",
+    )
+    download: DownloadSettings = section(
+        DownloadSettings,
+        'How the global model travels to the sites (`download = "fp16"` or a table): offered '
+        "to each site that announces it can decode it when it joins (others get the model "
+        "in its own dtypes). Works with secure aggregation.",
     )
 
     def __post_init__(self) -> None:
@@ -453,6 +466,12 @@ class SiteConfig:
     max_message_bytes: int = option(
         64 * 1024 * 1024, "gRPC message size limit; must exceed the server's chunk_bytes."
     )
+    download_codecs: list[str] = option(
+        list(DOWNLOAD_CODECS),
+        "Download encodings this site accepts when the server offers one ([download] in "
+        "server.toml): fp16, bf16, int8, topk, and delta (changes from the version it "
+        "holds). [] : always the model in its own dtypes (exact, more bytes).",
+    )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
     tls: SiteTlsConfig = section(
@@ -460,6 +479,12 @@ class SiteConfig:
     )
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.download_codecs) - set(DOWNLOAD_CODECS))
+        if unknown:
+            raise ConfigError(
+                f"download_codecs = {self.download_codecs}: {unknown} unknown; choose from "
+                f"{list(DOWNLOAD_CODECS)} ([] for the model in its own dtypes only)"
+            )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         if self.devices and self.nproc > 1:

@@ -57,6 +57,8 @@ def to_proto(state: ServerState) -> pb.StatusReply:
                 name=s.name,
                 connected_for_s=s.connected_for_s,
                 last_heartbeat_age_s=s.last_heartbeat_age_s,
+                down_bps=s.down_bps or 0.0,
+                up_bps=s.up_bps or 0.0,
             )
             for s in state.sites
         ],
@@ -79,7 +81,14 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
         model_version=reply.model_version,
         finished=reply.finished,
         sites=tuple(
-            SiteState(s.name, s.connected_for_s, s.last_heartbeat_age_s) for s in reply.sites
+            SiteState(
+                s.name,
+                s.connected_for_s,
+                s.last_heartbeat_age_s,
+                s.down_bps or None,  # 0: not measured
+                s.up_bps or None,
+            )
+            for s in reply.sites
         ),
         last_metrics=dict(reply.last_metrics),
         connected_sites=reply.connected_sites,
@@ -140,6 +149,12 @@ def _unreachable(address: str, exc: grpc.RpcError, *, tls: bool) -> str:
         return f"the server at {address} refused to answer: {exc.details()}"
     details = what.lower()
     host = address.rsplit(":", 1)[0]
+    if address.startswith("unix:"):
+        return (
+            f"no answer on the local status socket {address[5:]} ({what}): check that "
+            "`fedtrain server` runs on this host with this run_dir, and that its config "
+            "keeps status_socket = true"
+        )
     if "connection refused" in details:
         hint = (
             f"nothing listens on {address}: check that `fedtrain server` is running there and "

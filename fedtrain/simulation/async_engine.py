@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from fedtrain.compression.downlink import SiteModels
+from fedtrain.compression.settings import DownloadSettings
 from fedtrain.errors import ConfigError, SimulationError, UpdateRejected
 from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.simulation.backends import Backend, open_backend
@@ -92,15 +94,18 @@ class VirtualClients:
         backend: Backend,
         seed: int,
         global_state: ModelState,
+        sites: SiteModels | None = None,
     ) -> None:
         self.strategy = strategy
+        #: What jobs train from: each version as a deployed site decodes it (`[download]`).
+        self.sites = sites if sites is not None else SiteModels(DownloadSettings())
         self.population = population
         self.heterogeneity = heterogeneity
         self.backend = backend
         self.rng = np.random.default_rng(seed)
         self.idle = list(population.ids)  # kept sorted: draws depend on the seed only
         self.running: list[tuple[float, int, Job]] = []  # heap by (finish, number)
-        self.models = {0: global_state}
+        self.models = {0: self.sites.model("0", global_state)}
         self.version = 0
         self.clock = 0.0
         self.jobs = 0
@@ -142,7 +147,7 @@ class VirtualClients:
         self.version = version
         needed = {j.version for _, _, j in self.running if j.result is None and not j.dropped}
         self.models = {v: m for v, m in self.models.items() if v in needed}
-        self.models[version] = state
+        self.models[version] = self.sites.model(str(version), state)
 
     def _train(self, jobs: Iterable[Job]) -> None:
         """Train every given job that still needs it, one backend round per base version."""
@@ -237,6 +242,7 @@ def run_buffered(
             backend,
             config.seed,
             global_state,
+            SiteModels(config.download),
         )
         clients.start(concurrency)
         buffer = strategy.begin_round(1, global_state)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fedtrain.compression.settings import CompressionSettings
+from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import option, section
 from fedtrain.errors import ConfigError
 from fedtrain.evaluation import EVALUATE_DOC, SITE_METRICS_DOC, EvaluateAt
@@ -211,6 +211,11 @@ class SimConfig:
         CompressionSettings,
         'Update codec (`compression = "int8"` or a [compression] table): each client '
         "encodes its update, the server decodes it before folding.",
+    )
+    download: DownloadSettings = section(
+        DownloadSettings,
+        'How the global model travels to the clients (`download = "fp16"` or a table): '
+        "each client trains from the model as a deployed site decodes it.",
     )
     client: dict[str, Any] = option(
         {"epochs": 1, "batch_size": 32, "lr": 0.05},

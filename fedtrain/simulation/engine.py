@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
+from fedtrain.compression.downlink import SiteModels
+from fedtrain.compression.settings import DownloadSettings
 from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.observability.observers import observing
 from fedtrain.simulation.async_engine import run_buffered
@@ -96,6 +98,8 @@ def _run_rounds(
     )
     # its own stream, so evaluating never changes who trains
     eval_rng = np.random.default_rng([config.seed, 1])
+    sites = SiteModels(config.download)  # what the clients download and train from
+    published = 0  # the round whose aggregation made the current model (its version)
     with open_backend(config, setup, (train, population)) as backend:
         log.info(
             "simulating %d clients on the %s backend with %d workers",
@@ -116,8 +120,9 @@ def _run_rounds(
                 fold_in_workers=strategy.needs_only_sum and secure is None,
             )
             global_state, record = train_round(
-                backend, strategy, plan, global_state, on_progress, secure
+                backend, strategy, plan, global_state, on_progress, secure, (sites, published)
             )
+            published = server_round if record["aggregated"] else published
             record["loss"], record["accuracy"] = None, None
             if evaluation_due(server_round, config.eval_every, config.rounds):
                 if where == "server" and test is not None:
@@ -129,7 +134,7 @@ def _run_rounds(
                             strategy,
                             population,
                             server_round,
-                            global_state,
+                            sites.model(str(published), global_state),  # as sites decode it
                             eval_rng,
                             per_site=config.site_metrics,
                         )
@@ -150,14 +155,21 @@ def train_round(
     global_state: ModelState,
     on_progress: ProgressCallback | None,
     secure: SecureAggregation | None = None,
+    downloads: tuple[SiteModels, int] | None = None,
 ) -> tuple[ModelState, dict[str, Any]]:
     """Train one planned round and aggregate it; returns the new model and its record.
 
     A round where fewer than `strategy.min_results` updates count (dropouts,
     rejected updates, clients SecAgg+ left out) changes nothing, as in a deployment:
     the model stays. With `secure`, the updates are summed by a SecAgg+ round.
+    `downloads`: (the download codec's site models, the model's version): clients
+    train from the model as a deployed site decodes it (`[download]`), and their
+    updates are added to the server's exact `global_state`.
     """
     start = time.perf_counter()
+    sites, version = downloads if downloads is not None else (SiteModels(DownloadSettings()), 0)
+    sites_model = sites.model(str(version), global_state)
+    bytes_down = sites.send(plan.selected)
     aggregate = strategy.begin_round(plan.server_round, global_state)
     if plan.fold_in_workers and not isinstance(aggregate, WeightedSum):
         raise TypeError(
@@ -167,7 +179,7 @@ def train_round(
     uploads = secure.uploads(global_state.specs) if secure is not None else None
     fold = RoundFold(aggregate if uploads is None else uploads, plan)
     training = len(plan.training)
-    for event in backend.run_round(plan, global_state):
+    for event in backend.run_round(plan, sites_model):
         fold.add(event)
         if on_progress is not None:
             on_progress(plan.server_round, fold.clients_done, training)
@@ -191,9 +203,9 @@ def train_round(
             len(fold.rejected),
             needed,
         )
-    # what would cross the wire: a download per chosen client, an upload (encoded, with
-    # a codec) per update that arrived
-    bytes_down = global_state.nbytes * len(plan.selected)
+    # what would cross the wire: a download per chosen client that does not hold the
+    # model yet (encoded, with a download codec), an upload (encoded, with a codec) per
+    # update that arrived
     record: dict[str, Any] = {
         "round": plan.server_round,
         "clients": len(plan.selected),

@@ -21,7 +21,10 @@ STATE = ServerState(
     secagg=True,
     model_version="f" * 64,
     finished=False,
-    sites=(SiteState("hospital-a", 125.2, 0.4), SiteState("hospital-b", 60.0, 1.25)),
+    sites=(
+        SiteState("hospital-a", 125.2, 0.4, down_bps=12.5e6, up_bps=1.25e6),
+        SiteState("hospital-b", 60.0, 1.25),
+    ),
     last_metrics={"round": 2.0, "accuracy": 0.91234, "bytes": 2048.0},
 )
 
@@ -32,7 +35,11 @@ def test_plain_text_has_one_fact_per_line():
     assert "round: 3 of 10 in progress (2 completed), attempt 2" in lines
     assert "sites: 2 connected, 2 needed to start a round" in lines
     assert "secure aggregation: on" in lines
-    assert "site hospital-a: connected 125s, last heard 0.4s ago" in lines
+    assert (
+        "site hospital-a: connected 125s, last heard 0.4s ago, link down 100.0 / up 10.0 Mbit/s"
+        in lines
+    )
+    assert "site hospital-b: connected 60s, last heard 1.2s ago" in lines  # not measured yet
     assert lines[-1] == "last round (2): accuracy 0.9123, bytes 2048"
     waiting = dataclasses.replace(STATE, phase="waiting", round=2, attempt=0, sites=())
     assert "round: 2 of 10 completed" in render_text(waiting).splitlines()
@@ -44,8 +51,17 @@ def test_rich_tables_and_json_carry_the_same_state():
     text = console.export_text()
     for needle in ("hospital-a", "hospital-b", "3 of 10 in progress", "last round (2)", "0.9123"):
         assert needle in text
+    assert "down 100.0 / up 10.0 Mbit/s" in text
     assert json.loads(STATE.to_json())["sites"][1] == {
         "name": "hospital-b",
         "connected_for_s": 60.0,
         "last_heartbeat_age_s": 1.25,
+        "down_bps": None,
+        "up_bps": None,
     }
+
+
+def test_measured_links_survive_the_wire_and_unmeasured_ones_stay_unknown():
+    from fedtrain.runtime.status import from_proto, to_proto
+
+    assert from_proto(to_proto(STATE)).sites == STATE.sites

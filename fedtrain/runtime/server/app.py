@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import resource
 import threading
+import time
 from concurrent import futures
 from types import TracebackType
 from typing import Any
@@ -37,10 +38,12 @@ from fedtrain.observability.tensorboard import TensorBoardWriter
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import tls, wire
 from fedtrain.runtime.config import ServerConfig
+from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
@@ -49,6 +52,12 @@ from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
 
 log = logging.getLogger(__name__)
+
+#: The event loop notes that it runs this often; one that has not for `LOOP_STALL_S`
+#: is hung (a busy loop still runs every fraction of a second), and the local status
+#: socket says so, which fails a liveness probe.
+LOOP_TICK_S = 1.0
+LOOP_STALL_S = 60.0
 
 #: File descriptors kept free of site connections: logs, the audit log, checkpoints,
 #: gRPC's own, the metrics endpoint (each transfer in flight may add a journal file).
@@ -184,6 +193,9 @@ class AggregationServer:
             max_sites=self.max_sites,
         )
         self._grpc: grpc.aio.Server | None = None
+        self._local_status: LocalStatus | None = None
+        self._loop_tick = time.monotonic()
+        self._loop_thread: LoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
@@ -198,25 +210,21 @@ class AggregationServer:
 
     def start(self) -> int:
         """Listen, start the round loop and the watchdog; returns the bound port."""
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def serve() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
-
-        thread = threading.Thread(target=serve, name="fedtrain-loop", daemon=True)
-        thread.start()
-        ready.wait()
-        self._loop = loop
-        self._threads.append(thread)
+        self._loop_thread = LoopThread("fedtrain-loop")
+        self._loop = self._loop_thread.start()
         try:
-            port = asyncio.run_coroutine_threadsafe(self._listen(), loop).result()
+            port = self._loop_thread.run(self._listen())
         except BaseException:
             self.stop()
             raise
         self.port = port
+        if self.config.status_socket:
+            local = LocalStatus(
+                self.run_dir.path,
+                lambda page: server_state(self.coordinator, self.registry, page),
+                self._loop_health,
+            )
+            self._local_status = local if local.start() else None
         coordinator = threading.Thread(
             target=self.coordinator.run, name="fedtrain-coordinator", daemon=True
         )
@@ -260,7 +268,25 @@ class AggregationServer:
         await server.start()
         self._grpc = server
         self._watchdog = asyncio.create_task(self._watch_heartbeats())
+        self._ticker = asyncio.create_task(self._tick())
         return port
+
+    async def _tick(self) -> None:
+        """Note, once a second, that the loop runs (`_loop_health`)."""
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(LOOP_TICK_S)
+
+    def _loop_health(self) -> str | None:
+        """Why the server cannot serve its sites now (its event loop has not run for
+        `LOOP_STALL_S`), or None: what the local status socket's liveness probe checks."""
+        stalled = time.monotonic() - self._loop_tick
+        if stalled <= LOOP_STALL_S:
+            return None
+        return (
+            f"the server's event loop, which serves every site, has not run for {stalled:.0f}s "
+            "(hung): restart the server with --resume"
+        )
 
     async def _watch_heartbeats(self) -> None:
         """Disconnect sites that went silent past their timeout (a host whose process
@@ -315,19 +341,14 @@ class AggregationServer:
         self.coordinator.stop()
         for session in self.registry.sessions():
             self.registry.remove(session, "server shutting down")
-        loop = self._loop
-        if loop is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(grace), loop).result(grace + 10)
-            except Exception as exc:  # pragma: no cover - a handler stuck past the grace
-                log.warning("the gRPC server did not stop cleanly: %s", exc)
-            loop.call_soon_threadsafe(loop.stop)
+        if self._loop_thread is not None:
+            self._loop_thread.stop(self._shutdown(grace), grace + 10)
+        if self._local_status is not None:
+            self._local_status.stop()
         for thread in self._threads:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint
                 log.warning("thread %s did not stop within %.0fs", thread.name, grace + 5.0)
-        if loop is not None and not loop.is_running():
-            loop.close()
         self._cpu.shutdown(wait=True, cancel_futures=True)
         self.metrics.close()
         if self._tensorboard is not None:
@@ -335,9 +356,9 @@ class AggregationServer:
         self.audit.close()
 
     async def _shutdown(self, grace: float) -> None:
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.cancel()
+        for task in (getattr(self, "_watchdog", None), getattr(self, "_ticker", None)):
+            if task is not None:
+                task.cancel()
         if self._grpc is not None:
             await self._grpc.stop(grace)
 

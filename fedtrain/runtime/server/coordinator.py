@@ -46,6 +46,7 @@ from fedtrain.runtime.server.checkpoints import CheckpointWriter, settle_run_rec
 from fedtrain.runtime.server.evaluation_round import EvaluationRound
 from fedtrain.runtime.server.faults import fault_point
 from fedtrain.runtime.server.global_model import GlobalModel, new_model_version
+from fedtrain.runtime.server.links import SKIPS_BEFORE_WARNING, LinkEstimates
 from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
@@ -154,6 +155,9 @@ class Coordinator:
         self.evaluation: EvaluationRound | None = None
         self.rng = np.random.default_rng(config.seed)
         self.transfers = TransferCounter()
+        #: Each site's measured link, to leave out sites that cannot finish in time.
+        self.links = LinkEstimates()
+        self._plain_uploads = config.compression.build().name == "none"
         self.last_metrics: dict[str, Any] = {}
         self.finished = threading.Event()
         self.checkpoints = CheckpointWriter(run_dir, audit)
@@ -365,7 +369,11 @@ class Coordinator:
             if not plan:
                 self.registry.wait_for_change()
                 continue
+            # The privacy accountant's rate is the strategy's choice: a site the links
+            # leave out was still chosen with this probability.
             self._sampling_rate = len(plan) / len(available)
+            for site in self._too_slow(server_round, plan):
+                del plan[site]
             attempt += 1
             started = time.perf_counter()
             state = self._start_attempt(server_round, attempt, plan)
@@ -444,6 +452,35 @@ class Coordinator:
         if isinstance(state, SecureRoundState):
             state.start()  # key agreement runs while the sites download and train
         return state
+
+    def _too_slow(self, server_round: int, plan: dict[str, RoundConfig]) -> list[str]:
+        """Sites of `plan` whose measured links cannot finish a round before its deadline
+        (`links.py`): audited with the estimate, so no byte is spent on them."""
+        nbytes = self.global_model.state.nbytes
+        update_bytes = nbytes if self._plain_uploads else None
+        deadline = self.config.round_timeout_s
+        try:
+            skipped = self.links.plan_round(
+                sorted(plan), deadline, nbytes, update_bytes, self._needed(len(plan))
+            )
+        except Exception:  # an estimate only ever leaves sites out: never stop a run
+            log.exception("round %d: link estimates failed; no site left out", server_round)
+            return []
+        for site, estimate in skipped.items():
+            reason = estimate.describe(deadline)
+            log.warning("round %d: site %r skipped: %s", server_round, site, reason)
+            self.audit.record("site_skipped", site=site, round=server_round, reason=reason)
+            if self.links.skipped_in_a_row(site) % SKIPS_BEFORE_WARNING == 0:
+                log.warning(
+                    "site %r has been skipped %d rounds in a row: its link cannot move a "
+                    "round's bytes within round_timeout_s = %.0f. Raise the deadline, shrink "
+                    "the transfers ([download] codecs, [compression] for uploads), or let "
+                    'slow sites contribute when they can (strategy.name = "fedbuff")',
+                    site,
+                    self.links.skipped_in_a_row(site),
+                    deadline,
+                )
+        return list(skipped)
 
     def _needed(self, selected: int) -> int:
         """Updates a round of `selected` sites needs to count."""

@@ -28,11 +28,12 @@ however many sites there are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -54,8 +55,9 @@ from fedtrain.runtime.server.admission import AdmissionGate, Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
-from fedtrain.runtime.server.global_model import GlobalModel
+from fedtrain.runtime.server.links import TransferMeter
 from fedtrain.runtime.server.resumable import HeldUpload, HeldUploads, Superseded, header_terms
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
@@ -81,10 +83,6 @@ HEARTBEATS_PER_S = 200.0
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
 CAPACITY_RETRY_S = 30.0
-#: Models up to this size are encoded for the wire once per version and the same
-#: bytes are sent to every site; larger ones are encoded chunk by chunk per download
-#: (a second copy of a large model would cost more memory than the encoding saves).
-SHARED_DOWNLOAD_BYTES = 256 << 20
 
 
 class EndedEarly(FedtrainError):
@@ -127,7 +125,8 @@ class FedtrainServicer:
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         self.weights = WeightPolicy(config.weights)
         self._transfer_slots: asyncio.Semaphore | None = None
-        self._downloads = SharedDownloads(config.chunk_bytes)
+        #: What model downloads send: the encoding each site gets, made once per version.
+        self.downloads = SharedDownloads(config.chunk_bytes, config.download)
         #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
         self.held = HeldUploads(config.upload_grace_s)
         registry.on_leave(self.site_gone)
@@ -234,6 +233,8 @@ class FedtrainServicer:
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
+        if self.downloads.serves(session.capabilities):  # and decode their downloads with it
+            wire.config_to_proto(dataclasses.asdict(self.config.download), welcome.download)
         reader = asyncio.create_task(self._read(session, context, asyncio.current_task()))
         broke = False
         try:
@@ -598,13 +599,6 @@ class FedtrainServicer:
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
-        if request.offset > model.state.nbytes:
-            await _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"site {session.site!r}: a download from byte {request.offset}, but model "
-                f"{model.version[:12]} has {model.state.nbytes} bytes",
-            )
         if request.offset:
             log.info("site %r: model download resumes at byte %d", session.site, request.offset)
             self.audit.record(
@@ -613,40 +607,84 @@ class FedtrainServicer:
                 model_version=model.version,
                 offset=request.offset,
             )
+        round_state = self.coordinator.current
+        if not (
+            isinstance(round_state, RoundState)
+            and session.site in round_state.plan
+            and round_state.model_version == model.version
+        ):
+            round_state = None  # not a download for a training round's deadline
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
         try:
-            async for piece in self._serve(model, request.offset, session, context):
-                yield piece
+            async with self._transfer(session, "down", training=round_state is not None) as meter:
+                manifest, pieces = await self.downloads.prepare(
+                    model,
+                    encoded=self.downloads.serves(session.capabilities),
+                    current=model is self.coordinator.global_model,
+                    held=request.held_version,
+                    run=self._run,
+                )
+                if request.offset > manifest.total_bytes:
+                    await _abort(
+                        context,
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"site {session.site!r}: a download from byte {request.offset}, but "
+                        f"this download of model {model.version[:12]} has "
+                        f"{manifest.total_bytes} bytes",
+                    )
+                yield pb.ModelPiece(manifest=manifest)
+                skipped = 0  # a resumed download: the chunks the site holds are not sent
+                for piece, size in pieces:
+                    if skipped < request.offset:
+                        skipped += size
+                        if skipped > request.offset:
+                            await _abort(
+                                context,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"site {session.site!r}: a download from byte "
+                                f"{request.offset}, which is not a chunk boundary of this "
+                                "download; download the model again",
+                            )
+                        continue
+                    if (
+                        round_state is not None
+                        and round_state.closed
+                        and self.coordinator.global_model.version != model.version
+                    ):
+                        # The round it was for is over and its model superseded: every
+                        # further byte is spent on a model the site can no longer train for
+                        # (a retried attempt trains from the same model: that one goes on).
+                        await _abort(
+                            context,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"site {session.site!r}: round {round_state.round} closed and its "
+                            "model was superseded while it downloaded; download stopped (the "
+                            "site gets the next instruction)",
+                        )
+                    self.coordinator.transfers.add(sent=size)
+                    meter.add(size)
+                    session.touch()
+                    yield piece  # bytes or a Chunk: wire.serialize_stream_item
+                meter.whole = True
         finally:
             session.streams.discard(task)
 
-    async def _serve(
-        self,
-        model: GlobalModel,
-        offset: int,
-        session: Session,
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[bytes | Chunk | pb.ModelPiece]:
-        """A download's manifest and the model's chunks after its first `offset` bytes."""
-        request_offset = offset
+    @contextlib.asynccontextmanager
+    async def _transfer(
+        self, session: Session, direction: str, *, training: bool = True
+    ) -> AsyncIterator[TransferMeter]:
+        """A transfer slot, and the link's rate measured while the transfer holds it."""
         async with self.transfer_slots:
-            yield pb.ModelPiece(manifest=wire.manifest(model.version, model.state.specs))
-            skipped = 0  # a resumed download: the chunks the site holds are not sent
-            for piece, size in await self._downloads.pieces(model, self._run):
-                if skipped < request_offset:
-                    skipped += size
-                    if skipped > request_offset:
-                        await _abort(
-                            context,
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"site {session.site!r}: a download from byte {request_offset}, "
-                            "which is not a chunk boundary; download the model again",
-                        )
-                    continue
-                self.coordinator.transfers.add(sent=size)
-                session.touch()
-                yield piece  # bytes or a Chunk: wire.serialize_stream_item
+            received = session.bytes_received
+            counted = (lambda: session.bytes_received - received) if direction == "up" else None
+            meter = self.coordinator.links.meter(
+                session.site, direction, counted, training=training
+            )
+            try:
+                yield meter
+            finally:
+                meter.close()
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
@@ -689,17 +727,18 @@ class FedtrainServicer:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
         if not header.resume_id:
+            self.coordinator.links.upload_started(session.site, count_compute=not header.masked)
             weight = None if header.masked else await self._weigh(state, session, header, context)
             held = self._new_upload(state, session, header, weight)
         try:
-            await self.transfer_slots.acquire()
-        except asyncio.CancelledError:  # the site went away while its upload waited
+            async with self._transfer(session, "up") as meter:
+                received = await self._stream_upload(
+                    context, state, session, header, held, request_iterator
+                )
+                meter.whole = True
+        except asyncio.CancelledError:  # e.g. the site went away while its upload waited
             held.abandoned_before_start()
             raise
-        try:
-            received = await self._transfer(context, state, session, header, held, request_iterator)
-        finally:
-            self.transfer_slots.release()
         weight = held.weight
         log.info(
             "%s: %s update of %d bytes aggregated",
@@ -723,7 +762,7 @@ class FedtrainServicer:
             notice="" if weight is None else weight.reason,
         )
 
-    async def _transfer(
+    async def _stream_upload(
         self,
         context: grpc.aio.ServicerContext,
         state: RoundState | BufferedRounds,
@@ -1075,6 +1114,7 @@ class FedtrainServicer:
                     f"site {session.site!r}, round {header.round}: a second header in one upload",
                 )
             self.coordinator.transfers.add(received=len(chunk.data))
+            session.bytes_received += len(chunk.data)
             session.touch()
             yield chunk
 
@@ -1113,37 +1153,6 @@ class FedtrainServicer:
         # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
         state = server_state(self.coordinator, self.registry, page)
         await context.write(pb.StatusMessage(reply=status.to_proto(state)))
-
-
-class SharedDownloads:
-    """The current model's wire encoding, made once per version for small models.
-
-    Thousands of sites downloading the same 400 KB model each round would otherwise
-    encode (copy) it thousands of times; with it, each chunk's bytes are built once and
-    the same object is handed to every site's stream.
-    """
-
-    def __init__(self, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self._version = ""
-        self._encoded: asyncio.Future[list[tuple[bytes, int]]] | None = None
-
-    async def pieces(
-        self, model: GlobalModel, run: Callable[..., Any]
-    ) -> Iterable[tuple[bytes | Chunk, int]]:
-        """(what to yield, tensor bytes) for every chunk of `model`."""
-        if model.state.nbytes > SHARED_DOWNLOAD_BYTES:
-            return ((c, len(c.data)) for c in model.state.chunks(self.chunk_bytes))
-        if self._version != model.version or self._encoded is None:
-            self._version = model.version
-            self._encoded = asyncio.ensure_future(run(self._encode, model))
-        return await asyncio.shield(self._encoded)
-
-    def _encode(self, model: GlobalModel) -> list[tuple[bytes, int]]:
-        return [
-            (wire.encode_chunk_message(c), len(c.data))
-            for c in model.state.chunks(self.chunk_bytes)
-        ]
 
 
 async def _first(context: grpc.aio.ServicerContext) -> Any:

@@ -69,6 +69,8 @@ class Session:
     handler: Any = field(default=None, repr=False)
     #: Handler tasks of its downloads in progress (cancelled when it is detached).
     streams: set[Any] = field(default_factory=set, repr=False)
+    #: Upload bytes received over this session (what its link moved: `links.py`).
+    bytes_received: int = 0
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 

@@ -61,7 +61,12 @@ def server_state(
         model_version=model.version,
         finished=coordinator.finished.is_set(),
         sites=tuple(
-            SiteState(name, now - by_name[name].joined_at, now - by_name[name].last_seen)
+            SiteState(
+                name,
+                now - by_name[name].joined_at,
+                now - by_name[name].last_seen,
+                *coordinator.links.rates(name),
+            )
             for name in listed
         ),
         last_metrics=metrics,

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from fedtrain.compression import Codec
-from fedtrain.compression.settings import CompressionSettings
+from fedtrain.compression import Codec, downlink
+from fedtrain.compression.settings import CompressionSettings, DownloadSettings
 from fedtrain.config import from_dict
 from fedtrain.errors import (
     ConfigError,
@@ -53,6 +53,7 @@ from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site.data import site_data
+from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
 from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
@@ -66,7 +67,7 @@ from fedtrain.task import (
     resolve_device,
     task_fingerprint,
 )
-from fedtrain.tensors import Chunk, ModelState, StateAssembler, chunk_values, torch_dtype
+from fedtrain.tensors import Chunk, ModelState, chunk_values, torch_dtype
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -132,6 +133,9 @@ class Link:
     closed: threading.Event = field(default_factory=threading.Event)
     #: The server's update codec (told in Welcome); `Codec()` sends plain deltas.
     codec: Codec = field(default_factory=Codec)
+    #: The codec model downloads may be encoded with (told in Welcome); None: the
+    #: server sends the model in its own dtypes.
+    download_codec: Codec | None = None
     #: Seconds between heartbeats: told in Welcome, lengthened by Pace as sites join.
     heartbeat_interval_s: float = 5.0
     #: How long the server keeps the session when its link fails (Welcome.grace_s).
@@ -212,6 +216,9 @@ class SiteDaemon:
         self.downloads = 0
         self.rounds_trained = 0
         self._cache: tuple[str, ModelState] | None = None
+        #: The cached version when it is the server's reference model of that version
+        #: (from a delta download): the next download may then be only the change.
+        self._reference = ""
         #: (model version, its held-out metrics): a model evaluated on the server's
         #: EVALUATE is not evaluated again before training from it.
         self._evaluated: tuple[str, EvalResult] | None = None
@@ -336,11 +343,13 @@ class SiteDaemon:
 
     @property
     def capabilities(self) -> tuple[str, ...]:
-        """What this site tells the server it can do; `evaluate` only with a held-out set
-        in this process (a worker-group site does not evaluate yet)."""
+        """What this site tells the server it can do: the download encodings it accepts
+        (`download_codecs`); `evaluate` only with a held-out set in this process (a
+        worker-group site does not evaluate yet)."""
+        downloads = tuple(downlink.capability(c) for c in self.config.download_codecs)
         if self.eval_data is None or self.group is not None:
-            return CAPABILITIES
-        return (*CAPABILITIES, EVALUATE_CAPABILITY)
+            return (*CAPABILITIES, *downloads)
+        return (*CAPABILITIES, EVALUATE_CAPABILITY, *downloads)
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
@@ -447,6 +456,7 @@ class SiteDaemon:
             self._end_link(away)
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         link.codec = self._codec(w)
+        link.download_codec = self._download_codec(w)
         link.heartbeat_interval_s = w.heartbeat_interval_s
         link.grace_s = w.grace_s
         link.up.set()
@@ -477,6 +487,26 @@ class SiteDaemon:
             if settings.enabled:
                 log.info("the server asks for updates encoded with %s", settings.codec)
         return self._compression[1]
+
+    def _download_codec(self, w: pb.Welcome) -> Codec | None:
+        """The codec the server encodes this site's downloads with; it must be one this
+        site announced (`download_codecs`), or the server broke the negotiation."""
+        if not w.download:
+            return None
+        settings = from_dict(DownloadSettings, dict(wire.config_from_proto(w.download)), "download")
+        wanted = downlink.required_capabilities(settings.codec, settings.delta)
+        if not wanted <= set(self.capabilities):
+            raise ProtocolError(
+                f"the server encodes downloads with {settings.codec} (delta = "
+                f"{settings.delta}), which this site did not accept (download_codecs = "
+                f"{self.config.download_codecs} in site.toml)"
+            )
+        log.info(
+            "the server sends the model encoded with %s%s",
+            settings.codec,
+            " (changes from the version this site holds)" if settings.delta else "",
+        )
+        return settings.build()
 
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
@@ -663,28 +693,54 @@ class SiteDaemon:
         }
 
     def fetch_model(self, link: Link, version: str, deadline_unix: float = 0.0) -> ModelState:
-        """The global model of `version`: from the cache, or downloaded in chunks. With a
-        deadline, a download that breaks off continues on the rejoined session from the
-        bytes received (ModelRequest.offset), until the deadline."""
+        """The global model of `version`: from the cache, or downloaded in chunks (only
+        the change, when the server sends changes and this site holds the reference
+        version they start from). With a deadline, a download that breaks off continues
+        on the rejoined session from the bytes received (ModelRequest.offset)."""
         cached = self._cache
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
             return cached[1]
-        # The old version's memory receives the new one (nothing else holds it now).
         previous = cached[1] if cached is not None else None
-        self._cache = cached = None
-        assembler: StateAssembler | None = None
+        held = cached[0] if cached is not None and cached[0] == self._reference else ""
+        if not held:  # the old version's memory receives the new one
+            self._cache = cached = None
+            self._reference = ""
+        # else it stays untouched, and cached, until a change is added into it: a download
+        # that breaks off before leaves the reference for the next one to start from.
+        try:
+            state, reference = self._download(link, version, previous, held, deadline_unix)
+        except DigestMismatch as exc:
+            self._cache, self._reference = None, ""
+            log.warning("%s; downloading it whole", exc)
+            state, reference = self._download(link, version, None, "", deadline_unix)
+        self._cache = (version, state)
+        self._reference = version if reference else ""
+        self.downloads += 1
+        return state
 
-        def attempt() -> ModelState:
-            nonlocal assembler
-            offset = assembler.bytes_received if assembler is not None else 0
+    def _download(
+        self,
+        link: Link,
+        version: str,
+        previous: ModelState | None,
+        held: str,
+        deadline_unix: float = 0.0,
+    ) -> tuple[ModelState, bool]:
+        """One download (continued across broken streams until `deadline_unix`): (the
+        model, whether it is the server's reference)."""
+
+        def request(offset: int) -> tuple[pb.Manifest, Iterator[Any]]:
             download = link.channel.unary_stream(
                 wire.method_path("DownloadModel"),
                 request_serializer=pb.ModelRequest.SerializeToString,
                 response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
             )
-            request = pb.ModelRequest(version=version, session_token=link.token, offset=offset)
-            pieces = download(request)
+            pieces = download(
+                pb.ModelRequest(
+                    version=version, session_token=link.token, held_version=held, offset=offset
+                )
+            )
             head = next(pieces, None)
             if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
                 raise ProtocolError("a model download must start with its manifest")
@@ -692,25 +748,52 @@ class SiteDaemon:
                 raise ProtocolError(
                     f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
                 )
-            if assembler is None:
-                specs = [wire.spec_from_proto(s) for s in head.manifest.specs]
-                assembler = StateAssembler(specs, reuse=previous)
-            elif offset:
-                log.info("model download continues from byte %d", offset)
-            for piece in pieces:
-                chunk = wire.stream_chunk(piece)
-                if chunk is None:
-                    raise ProtocolError("a model download holds a second manifest")
-                assembler.add(chunk)
-            return assembler.finish()
+            return head.manifest, pieces
 
         if deadline_unix:
-            state = self._through_outages(link, deadline_unix, "download", attempt)
+            manifest, pieces = self._through_outages(
+                link, deadline_unix, "download", lambda: request(0)
+            )
         else:
-            state = attempt()
-        self._cache = (version, state)
-        self.downloads += 1
-        return state
+            manifest, pieces = request(0)
+        chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
+        return receive_model(manifest, chunks, link.download_codec, previous, held)
+
+    def _resumed(
+        self,
+        link: Link,
+        deadline_unix: float,
+        manifest: pb.Manifest,
+        pieces: Iterator[Any] | None,
+        request: Callable[[int], tuple[pb.Manifest, Iterator[Any]]],
+    ) -> Iterator[Chunk]:
+        """A download's chunks; when its stream breaks (and a deadline allows), the rest,
+        asked for from the bytes received, on the rejoined session: what the site holds
+        is not sent again."""
+        received = 0
+        while True:
+            try:
+                if pieces is None:
+                    again, pieces = request(received)
+                    if again != manifest:
+                        raise ProtocolError("the server's download changed while it was resumed")
+                    log.info("model download continues from byte %d", received)
+                for chunk in _download_chunks(pieces):
+                    received += len(chunk.data)
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if not deadline_unix or exc.code() not in BROKEN_LINK:
+                    raise
+                if not self._await_link(link, deadline_unix):
+                    raise
+                log.warning(
+                    "the download broke off after %d bytes (%s); continuing it on the "
+                    "rejoined session",
+                    received,
+                    rpc.describe_rpc_error(exc),
+                )
+                pieces = None
 
     def _through_outages(
         self, link: Link, deadline_unix: float, what: str, transfer: Callable[[], _T]
@@ -794,6 +877,15 @@ class SiteDaemon:
             return call.result()
 
         return self._through_outages(link, deadline_unix, "upload", attempt)
+
+
+def _download_chunks(pieces: Iterator[Any]) -> Iterator[Chunk]:
+    """The chunks after a download's manifest; a second manifest is refused."""
+    for piece in pieces:
+        chunk = wire.stream_chunk(piece)
+        if chunk is None:
+            raise ProtocolError("a model download holds a second manifest")
+        yield chunk
 
 
 def fresh_training_seed() -> int:

@@ -24,6 +24,10 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     """Add ``delta`` to every parameter and return it with a fixed example count."""
     delta = np.float32(context.run_config["delta"])
+    if bool(context.run_config["incompressible"]):
+        # a different delta per site, so no two updates share a chunk (Flower
+        # content-addresses chunks and sends each distinct one once)
+        delta = np.float32(delta * (1.0 + int(context.node_config["partition-id"]) / 16))
     num_examples = int(context.run_config["num-examples"])
     (weights,) = msg.content["arrays"].to_numpy_ndarrays(keep_input=False)
     # np.load() output is writable; add in place so no second P-sized copy is made.

@@ -37,6 +37,7 @@ class TimedFedAvg(FedAvg):
         self.t_start: float | None = None
         self.t_aggregate: list[float] = []
         self.failures: list[int] = []
+        self.results: list[int] = []  # replies aggregated per round (a timeout drops some)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -53,6 +54,7 @@ class TimedFedAvg(FedAvg):
         """Aggregate as FedAvg does, then stamp and persist the round's end time."""
         replies = list(replies)
         self.failures.append(sum(1 for msg in replies if msg.has_error()))
+        self.results.append(sum(1 for msg in replies if not msg.has_error()))
         result = super().aggregate_train(server_round, replies)
         self.t_aggregate.append(time.time())
         self.dump(done=False, ok=result[0] is not None)
@@ -67,6 +69,7 @@ class TimedFedAvg(FedAvg):
             "t_aggregate": self.t_aggregate,
             "s_per_round": [b - a for a, b in itertools.pairwise(stamps)],
             "failures_per_round": self.failures,
+            "results_per_round": self.results,
             "ok": ok,
             "done": done,
             "checksum": checksum,
@@ -90,7 +93,12 @@ def main(grid: Grid, context: Context) -> None:
         min_train_nodes=num_sites,
         min_available_nodes=num_sites,
     )
-    initial = ArrayRecord([np.zeros(num_params, dtype=np.float32)], keep_input=False)
+    if bool(cfg["incompressible"]):
+        # seeded random values: no two 5 MiB chunks alike, as with a real model
+        values = np.random.default_rng(0).standard_normal(num_params, dtype=np.float32)
+    else:
+        values = np.zeros(num_params, dtype=np.float32)
+    initial = ArrayRecord([values], keep_input=False)
     result = strategy.start(
         grid=grid,
         initial_arrays=initial,

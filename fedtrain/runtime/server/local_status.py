@@ -1,0 +1,179 @@
+"""Status on a Unix socket in the run directory, answered from its own thread.
+
+Why a second listener: the main gRPC server's event loop accepts new calls one at a
+time, interleaved with every site's transfers; during a round with a thousand sites a
+Status call waits seconds in that queue, and a Kubernetes liveness probe that asks
+there could restart a server for being busy. This listener has its own thread, event
+loop and gRPC server, so `fedtrain status --run-dir RUN_DIR` answers in milliseconds
+however busy the rounds are.
+
+Who may ask is decided by the file system: the socket is owner-only, beside the run
+directory's checkpoints and audit log (the same trust boundary), so it needs no TLS and
+no certificate. Remote operators keep asking on the main port, over mutual TLS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import grpc
+
+from fedtrain.errors import ConfigError
+from fedtrain.observability.status import ServerState
+from fedtrain.runtime import status, wire
+from fedtrain.runtime.loop_thread import LoopThread
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "status.sock"
+#: sun_path holds 108 bytes with its terminating NUL; a longer path cannot be bound.
+MAX_SOCKET_PATH = 107
+
+
+def socket_address(run_dir: Path) -> str:
+    """The gRPC address of `run_dir`'s status socket (what `fedtrain status --run-dir` dials)."""
+    return f"unix:{Path(run_dir).resolve() / SOCKET_NAME}"
+
+
+def trusted_socket(run_dir: Path) -> None:
+    """Refuse to ask a socket that someone other than the run directory's owner put
+    there (a run dir others may write to, e.g. under /tmp, could hold a planted one
+    that answers with a made-up state)."""
+    run_dir = Path(run_dir).resolve()
+    try:
+        owner, sock = run_dir.stat().st_uid, (run_dir / SOCKET_NAME).lstat()
+    except FileNotFoundError:
+        return  # nothing to trust or distrust: the call says nobody answers
+    if not stat.S_ISSOCK(sock.st_mode) or sock.st_uid != owner:
+        raise ConfigError(
+            f"{run_dir / SOCKET_NAME} is not a socket owned by the run directory's owner "
+            f"(uid {owner}); not asking it. Ask over the gRPC port with --server instead"
+        )
+
+
+class LocalStatus:
+    """Serves the Status RPC on `RUN_DIR/status.sock` from a thread of its own.
+
+    `snapshot(page)` must be safe to call from that thread: `server_state` is (it reads
+    whole-replaced fields and the registry under its lock). `health()` returns None, or
+    why the server cannot serve its sites (then the call fails, and so does a liveness
+    probe: a server whose main loop hangs is restarted, one that is only busy is not).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        snapshot: Callable[[status.SitePage], ServerState],
+        health: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.path = self.run_dir / SOCKET_NAME
+        self._snapshot, self._health = snapshot, health
+        self._thread: LoopThread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket
+
+    def start(self) -> bool:
+        """Listen; False, with a warning saying why, when it cannot. The socket is a
+        convenience beside the gRPC port: failing to open it never stops a server."""
+        why = _unusable(self.path)
+        if why is None:
+            try:
+                self._start()
+                return True
+            except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError on bind
+                self.stop()
+                why = f"it could not be opened ({exc})"
+        log.warning("no local status socket at %s: %s", self.path, why)
+        return False
+
+    def _start(self) -> None:
+        self._thread = LoopThread("fedtrain-local-status")
+        self._thread.start()
+        self._thread.run(self._listen(), 30)
+
+    async def _listen(self) -> None:
+        server = grpc.aio.server()
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._status,
+            request_deserializer=pb.StatusRequest.FromString,
+            response_serializer=pb.StatusMessage.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(wire.SERVICE, {"Status": handler}),)
+        )
+        # Bound in a private (0700) directory, made owner-only, then moved into place in
+        # one step: no moment in which another user of the host could connect, and no
+        # process-wide umask change racing with other threads' files.
+        private = Path(tempfile.mkdtemp(prefix=".status-", dir=self.run_dir))
+        try:
+            bound = private / "s"
+            server.add_insecure_port(f"unix:{bound}")  # raises RuntimeError if it cannot
+            os.chmod(bound, 0o600)
+            os.replace(bound, self.path)  # atomically replaces a dead server's socket
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
+        info = self.path.lstat()
+        self._bound = (info.st_dev, info.st_ino)
+        self._server = server
+        await server.start()
+
+    async def _status(
+        self, requests: AsyncIterator[pb.StatusRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        first = await context.read()
+        if first is grpc.aio.EOF:
+            return
+        unhealthy = self._health()
+        if unhealthy is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, unhealthy)
+        page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
+        state = self._snapshot(page)
+        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
+
+    def stop(self, grace: float = 0.5) -> None:
+        """Stop listening and remove our socket, never another server's (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        server = self._server
+        thread.stop(server.stop(grace) if server is not None else None, grace + 5)
+        with contextlib.suppress(OSError):
+            info = self.path.lstat()
+            # A successor started on the same run dir (a replacement pod while this one
+            # terminates) has its own socket there now: leave it.
+            if (info.st_dev, info.st_ino) == self._bound:
+                self.path.unlink()
+
+
+def _unusable(path: Path) -> str | None:
+    """Why a socket cannot be put at `path` (None: it can; a dead server's is replaced)."""
+    if len(str(path.parent / ".status-XXXXXXXX" / "s").encode()) > MAX_SOCKET_PATH:
+        return (
+            f"the run directory's path is longer than a Unix socket path may be "
+            f"({MAX_SOCKET_PATH} bytes); use a shorter run_dir for `fedtrain status --run-dir`"
+        )
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISSOCK(mode):
+        return "something that is not a socket is there; it was left in place (move it away)"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return None  # nobody listens: a socket a killed server left behind
+    finally:
+        probe.close()
+    return "another server answers on it (a second server on the same run_dir?)"
