@@ -58,6 +58,15 @@ class HeartbeatConfig:
         "crashed host or a cut link is noticed without a message from it). Each ping is "
         "gRPC work: 10,000 sites pinged every 20 s cost 3% of a core at idle.",
     )
+    grace_s: float = option(
+        90.0,
+        "A site whose link fails (its control stream goes silent past timeout_s, or breaks "
+        "after it went quiet) stays in its round this much longer, and may rejoin with its "
+        "session meanwhile: its round, its upload in flight and its queued messages "
+        "continue. Past it the site is dropped and its upload discarded. A stream closed "
+        "while the site was talking (its process exited or was killed) drops it at once. "
+        "0: no grace, every failure drops the site at once.",
+    )
 
 
 @dataclass
@@ -208,6 +217,13 @@ class ServerConfig:
         "site's stream simply waits), so upload journals and files stay bounded whatever "
         "the number of sites.",
     )
+    upload_grace_s: float = option(
+        180.0,
+        "How long the server keeps the part of an upload it received when the upload's "
+        "stream breaks (a link outage): the site resumes from there within this time, "
+        "sending only the rest; later it starts again from zero. Keep it above "
+        "heartbeat.timeout_s + heartbeat.grace_s, the longest a site may be away.",
+    )
     cpu_threads: int = option(
         2,
         "Threads for the server's CPU work (validating and folding chunks, protocol "
@@ -272,7 +288,7 @@ class ServerConfig:
             raise ConfigError(
                 f"max_sites must be >= 0 (0: from the file limit), got {self.max_sites}"
             )
-        _positive(self, "round_timeout_s", "eval_timeout_s")
+        _positive(self, "round_timeout_s", "eval_timeout_s", "upload_grace_s")
         if self.upload_memory_mb < 0:
             raise ConfigError(f"upload_memory_mb must be >= 0, got {self.upload_memory_mb}")
         if not 0 <= self.metrics_port <= 65535:
@@ -522,6 +538,8 @@ def _check_heartbeat(hb: HeartbeatConfig) -> None:
             f"heartbeat.interval_s ({hb.interval_s}) must be > 0 and below "
             f"heartbeat.timeout_s ({hb.timeout_s}), or every site would time out"
         )
+    if not hb.grace_s >= 0:
+        raise ConfigError(f"heartbeat.grace_s must be >= 0 (0: none), got {hb.grace_s!r}")
     if not hb.keepalive_s > 0:
         raise ConfigError(f"heartbeat.keepalive_s must be > 0, got {hb.keepalive_s!r}")
 

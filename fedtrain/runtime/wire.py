@@ -29,7 +29,9 @@ from fedtrain.tensors import Chunk, ModelState, TensorSpec
 
 #: Bumped when server and site can no longer talk; a Join with another one is refused.
 #: 3: a site sends an update's bytes only after the server's go-ahead (`UPLOAD_GO_AHEAD`).
-PROTOCOL_VERSION = 3
+#: 4: uploads resume from the offset the server holds (`UPLOAD_ID`, `UPLOAD_OFFSET`,
+#: UploadHeader.resume_id) and sessions survive outages (Join.resume_token).
+PROTOCOL_VERSION = 4
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).
@@ -69,6 +71,11 @@ IDLE_CONNECTION_S = 120.0
 #: the whole of a small model's) in the server's memory while it waits for a slot:
 #: 1.5 GB for a round of 3,000 sites sending 400 KB each, instead of 0.5 GB.
 UPLOAD_GO_AHEAD = "fedtrain-go-ahead"
+#: Beside the go-ahead: the id the server keeps the upload under (a broken stream is
+#: resumed with UploadHeader.resume_id = it) and how many of the update's bytes, in the
+#: order the site sends them, the server already holds (0 for a new upload).
+UPLOAD_ID = "fedtrain-upload-id"
+UPLOAD_OFFSET = "fedtrain-upload-offset"
 
 #: Calls one connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS). A site
 #: needs four at most (control stream, download, upload, a retry overlapping its
@@ -131,6 +138,26 @@ def site_channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def chunks_after(chunks: Iterable[Chunk], offset: int) -> Iterator[Chunk]:
+    """The chunks of an upload after its first `offset` bytes (what a resumed stream
+    sends). The server holds whole chunks only, so `offset` must fall between two."""
+    skipped = 0
+    for chunk in chunks:
+        if skipped >= offset:
+            yield chunk
+            continue
+        skipped += len(chunk.data)
+        if skipped > offset:
+            raise ProtocolError(
+                f"the server holds {offset} bytes of this upload, which is not a chunk "
+                f"boundary ({chunk.name!r} ends at byte {skipped}); the upload restarts"
+            )
+    if skipped < offset:
+        raise ProtocolError(
+            f"the server holds {offset} bytes of this upload, but it has only {skipped}"
+        )
 
 
 # -- scalars (round config) ---------------------------------------------------------------

@@ -205,7 +205,9 @@ def inprocess_server(
         "rounds": 3,
         "round_timeout_s": 30.0,
         "chunk_bytes": CHUNK,
-        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0},
+        # No outage grace: a hand-driven FakeSite sends no heartbeats, so a grace would
+        # keep every one it closes; the tests of the grace set it (test_outages.py).
+        "heartbeat": {"interval_s": 0.2, "timeout_s": 10.0, "grace_s": 0.0},
         **extra,
     }
     raw["strategy"] = {
@@ -239,7 +241,9 @@ def scrape(port: int) -> dict[str, float]:
 
 
 # -- a hand-driven site over the generated stub -------------------------------------------------
-def join_message(name: str, fingerprint: str, capabilities: tuple[str, ...] = ()) -> pb.SiteMessage:
+def join_message(
+    name: str, fingerprint: str, capabilities: tuple[str, ...] = (), resume_token: str = ""
+) -> pb.SiteMessage:
     """A site's first message on its control stream (insecure: the name is its identity)."""
     return pb.SiteMessage(
         join=pb.Join(
@@ -247,6 +251,7 @@ def join_message(name: str, fingerprint: str, capabilities: tuple[str, ...] = ()
             task_fingerprint=fingerprint,
             protocol_version=wire.PROTOCOL_VERSION,
             capabilities=capabilities,
+            resume_token=resume_token,
         )
     )
 
@@ -255,7 +260,12 @@ class FakeSite:
     """A site driven by the test through the generated stub: join, read, upload by hand."""
 
     def __init__(
-        self, port: int, name: str, fingerprint: str, capabilities: tuple[str, ...] = ()
+        self,
+        port: int,
+        name: str,
+        fingerprint: str,
+        capabilities: tuple[str, ...] = (),
+        resume_token: str = "",
     ) -> None:
         self.name = name
         self.channel = grpc.insecure_channel(
@@ -264,11 +274,11 @@ class FakeSite:
         self.stub = pb_grpc.FedtrainStub(self.channel)
         self.outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
         self.inbox: queue.SimpleQueue[pb.ServerMessage | None] = queue.SimpleQueue()
-        self.outbox.put(join_message(name, fingerprint, capabilities))
+        self.outbox.put(join_message(name, fingerprint, capabilities, resume_token))
         self.call = self.stub.Control(self._requests())
         threading.Thread(target=self._read, daemon=True).start()
-        welcome = self.expect("welcome")
-        self.token = welcome.welcome.session_token
+        self.welcome = self.expect("welcome").welcome
+        self.token = self.welcome.session_token
 
     def _requests(self) -> Iterator[pb.SiteMessage]:
         while (message := self.outbox.get()) is not None:

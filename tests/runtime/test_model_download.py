@@ -101,11 +101,11 @@ def test_a_site_whose_rebuilt_model_differs_downloads_it_whole(
     download = SiteDaemon._download
     damaged: list[str] = []
 
-    def damaging(self, link, version, previous, held):  # type: ignore[no-untyped-def]
+    def damaging(self, link, version, previous, held, *rest):  # type: ignore[no-untyped-def]
         if held and not damaged:
             previous["weight"][0, 0] += 1.0
             damaged.append(version)
-        return download(self, link, version, previous, held)
+        return download(self, link, version, previous, held, *rest)
 
     monkeypatch.setattr(SiteDaemon, "_download", damaging)
     task = TinyTask(features=100)

@@ -96,3 +96,14 @@ def test_manifest_describes_every_tensor() -> None:
     m = wire.manifest("v1", specs)
     assert m.total_bytes == 2 * 3 * 2 + 8
     assert tuple(wire.spec_from_proto(s) for s in m.specs) == specs
+
+
+def test_a_resumed_upload_sends_exactly_the_chunks_after_the_servers_offset() -> None:
+    state = ModelState({"w": torch.arange(10, dtype=torch.float32), "b": torch.zeros(3)})
+    chunks = list(state.chunks(16))  # w: 16 + 16 + 8 bytes, b: 12 bytes
+    for held, expected in ((0, chunks), (32, chunks[2:]), (40, chunks[3:]), (52, [])):
+        assert list(wire.chunks_after(state.chunks(16), held)) == expected
+    with pytest.raises(ProtocolError, match="not a chunk boundary"):
+        list(wire.chunks_after(state.chunks(16), 20))
+    with pytest.raises(ProtocolError, match="only 52"):
+        list(wire.chunks_after(state.chunks(16), 60))

@@ -297,13 +297,25 @@ class AggregationServer:
             await asyncio.sleep(self.config.heartbeat.interval_s)
             self.audit.flush_refusals()
             self.servicer.repace()
+            self.servicer.sweep_uploads()
+            grace = self.config.heartbeat.grace_s
             for session in self.registry.silent():
+                if grace > 0:  # an outage, presumably: kept for the grace (servicer.detach)
+                    self.servicer.detach(session, f"silent for {session.timeout_s:.0f}s")
+                    continue
                 log.warning(
                     "site %r sent nothing for %.0fs (its heartbeat timeout); disconnecting it",
                     session.site,
                     session.timeout_s,
                 )
                 self._cpu.submit(self.registry.remove, session, "heartbeat timeout")
+            for session in self.registry.away(grace):
+                log.warning("site %r did not rejoin within %gs; dropping it", session.site, grace)
+                self._cpu.submit(
+                    self.registry.remove,
+                    session,
+                    f"unreachable for longer than heartbeat.grace_s ({grace:g}s)",
+                )
 
     def _observe_round(self, record: dict[str, Any]) -> None:
         for observe in self._round_observers:

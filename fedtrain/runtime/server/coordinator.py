@@ -92,6 +92,10 @@ class TransferCounter:
         self._lock = threading.Lock()
         self._in = 0
         self._out = 0
+        #: Of the bytes in: those of updates the round took, those thrown away (refused,
+        #: broken off and not resumed, too late), counted when settled; and those a site
+        #: sent again after the server had thrown its earlier upload away.
+        self._settled = {"accepted": 0, "discarded": 0, "resent": 0}
         #: Since the server started, never reset (Prometheus counters read these).
         self.total_in = 0
         self.total_out = 0
@@ -103,11 +107,26 @@ class TransferCounter:
             self.total_in += received
             self.total_out += sent
 
+    def settle(self, accepted: int = 0, discarded: int = 0, resent: int = 0) -> None:
+        """An upload's bytes ended up in the round (`accepted`), were thrown away, or
+        arrived a second time (`resent`)."""
+        with self._lock:
+            self._settled["accepted"] += accepted
+            self._settled["discarded"] += discarded
+            self._settled["resent"] += resent
+
     def take(self) -> tuple[int, int]:
         """(bytes in, bytes out) since the last call."""
         with self._lock:
             out = self._in, self._out
             self._in = self._out = 0
+            return out
+
+    def take_settled(self) -> dict[str, int]:
+        """Bytes in accepted, discarded and re-sent since the last call."""
+        with self._lock:
+            out = dict(self._settled)
+            self._settled = dict.fromkeys(self._settled, 0)
             return out
 
 
@@ -415,8 +434,9 @@ class Coordinator:
         for site, session in sessions.items():
             if session is None:
                 state.set_outcome(site, Outcome.DROPPED)
-        self.current = state
         deadline_unix = time.time() + self.config.round_timeout_s
+        state.deadline_unix = deadline_unix
+        self.current = state
         log.info(
             "round %d (attempt %d): %d site(s) train from model %s: %s",
             server_round,
@@ -593,7 +613,15 @@ class Coordinator:
     def transfer_metrics(self) -> dict[str, int]:
         """Tensor bytes in and out since the last record."""
         bytes_in, bytes_out = self.transfers.take()
-        return {"bytes": bytes_in + bytes_out, "bytes_in": bytes_in, "bytes_out": bytes_out}
+        settled = self.transfers.take_settled()
+        return {
+            "bytes": bytes_in + bytes_out,
+            "bytes_in": bytes_in,
+            "bytes_out": bytes_out,
+            "bytes_in_accepted": settled["accepted"],
+            "bytes_in_discarded": settled["discarded"],
+            "bytes_in_resent": settled["resent"],
+        }
 
     def evaluate_into(self, record: dict[str, Any]) -> None:
         """Set the record's loss and accuracy (and the keys of `fedtrain.evaluation`):
@@ -882,6 +910,29 @@ class Coordinator:
         state = self.current
         if state is not None and state.settle(session, Outcome.DROPPED):
             log.warning("site %r dropped out of round %d (%s)", session.site, state.round, reason)
+
+    def rejoined(self, session: Session) -> None:
+        """A site rejoined its session after an outage: if it still owes the plain round
+        in progress its update and is not uploading, tell it the round's instruction
+        again (the first may have been written into the dead connection; the daemon
+        ignores one it already has). A secure round's stage messages cannot be replayed:
+        a site that missed one is a dropout at that stage."""
+        state = self.current
+        if not isinstance(state, RoundState) or isinstance(state, SecureRoundState):
+            return
+        if state.closed or state.tokens.get(session.site) != session.token:
+            return
+        if state.outcomes.get(session.site) is not Outcome.PENDING:
+            return
+        if session.site in state.uploading:
+            return
+        instruct(
+            session,
+            state.round,
+            state.model_version,
+            state.plan[session.site],
+            state.deadline_unix,  # the same instruction, byte for byte
+        )
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:
         """A site reported that it cannot deliver this round's update (or evaluation)."""

@@ -81,6 +81,8 @@ class RoundState:
     tokens: dict[str, str]  # site -> session token it was instructed on
     aggregate: Aggregator
     deadline: float  # time.monotonic()
+    #: The deadline as the sites were told it (Instruction.deadline_unix).
+    deadline_unix: float = 0.0
     outcomes: dict[str, Outcome] = field(init=False)
     results: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     uploading: set[str] = field(default_factory=set)

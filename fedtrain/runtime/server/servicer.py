@@ -6,9 +6,15 @@ site's identity (with TLS, its certificate and its proof of holding the key:
 refusal is audited with the peer's address and a one-word cause (`AuditLog.refusal`,
 throttled). Bulk RPCs must carry the token of a live control session and, with TLS,
 arrive on that session's connection. Uploads are validated, journaled and folded
-chunk by chunk (see `uploads.py`); whatever is wrong becomes a gRPC status naming site,
+chunk by chunk (see `uploads.py`), and a broken upload is kept for its site to resume
+(`resumable.py`); whatever is wrong becomes a gRPC status naming site,
 round and tensor, an audit record and a log line, and never an exception that escapes
 a handler.
+
+A control stream that breaks after a silence is an outage, not a departure: the
+session is kept `heartbeat.grace_s` (`detach`) and the site may rejoin it with its
+token (Join.resume_token); one that closes while the site was talking (its process
+ended) drops the site at once.
 
 The handlers are coroutines on the server's event loop (`grpc.aio`): a connected
 site costs a coroutine and a socket, never a thread. Work that takes the round's
@@ -26,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -51,6 +58,7 @@ from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.links import TransferMeter
+from fedtrain.runtime.server.resumable import HeldUpload, HeldUploads, Superseded, header_terms
 from fedtrain.runtime.server.rounds import RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
@@ -76,6 +84,10 @@ HEARTBEATS_PER_S = 200.0
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
 CAPACITY_RETRY_S = 30.0
+
+
+class EndedEarly(FedtrainError):
+    """An upload's stream ended before the whole update arrived (kept for a resume)."""
 
 
 def heartbeat_interval(configured_s: float, connected: int) -> float:
@@ -116,11 +128,16 @@ class FedtrainServicer:
         self._transfer_slots: asyncio.Semaphore | None = None
         #: What model downloads send: the encoding each site gets, made once per version.
         self.downloads = SharedDownloads(config.chunk_bytes, config.download)
+        #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
+        self.held = HeldUploads(config.upload_grace_s)
+        registry.on_leave(self.site_gone)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def transfer_slots(self) -> asyncio.Semaphore:
         """`max_transfers` slots, created on the server's loop at first use."""
         if self._transfer_slots is None:
+            self._loop = asyncio.get_running_loop()
             self._transfer_slots = asyncio.Semaphore(self.config.max_transfers)
         return self._transfer_slots
 
@@ -149,49 +166,104 @@ class FedtrainServicer:
         if self.coordinator.finished.is_set():
             await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
-        interval = heartbeat_interval(self.config.heartbeat.interval_s, len(self.registry) + 1)
-        session = Session(
-            site,
-            peer,
-            timeout_s=self._silence_allowed(interval),
-            heartbeat_interval_s=interval,
-            certificate=certificate.pem if certificate else b"",
-            capabilities=frozenset(first.join.capabilities),
-        )
-        session.open_outbox()
-        try:
-            replaced = await self._run(self.registry.add, session, self.max_sites)
-        except AtCapacity:  # checked here, atomically, so racing joins cannot overfill
-            await self._refuse_join(context, peer, self._at_capacity(site, identity))
-            return
-        if replaced is not None:
-            await self._run(
-                self.registry.remove, replaced, "replaced by a new connection from the same site"
+        pem = certificate.pem if certificate else b""
+        session = None
+        if first.join.resume_token:
+            session = await self._run(
+                self.registry.rejoin, first.join.resume_token, site, pem, peer
             )
-        log.info("site %r joined from %s", site, peer)
-        self.audit.record(
-            "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
-        )
+            if session is None:
+                other = self.registry.by_token(first.join.resume_token)
+                if other is not None and other.site != site:
+                    self._refuse_peer(
+                        "rejoin_refused",
+                        peer,
+                        Refusal(
+                            "other_session",
+                            f"site {site!r} asked to continue the session of site "
+                            f"{other.site!r}; it gets a session of its own",
+                            site=site,
+                            details=identity,
+                        ),
+                    )
+                log.info("site %r asked to continue a session that is gone; a new one", site)
+        resumed = session is not None
+        if session is not None:
+            if session.handler is not None:  # its old stream still looked open: end it
+                session.handler.cancel()
+            log.info("site %r rejoined its session from %s", site, peer)
+            self.audit.record("rejoin", site=site, peer=peer, **identity)
+            self.cpu.submit(self.coordinator.rejoined, session)
+        else:
+            interval = heartbeat_interval(self.config.heartbeat.interval_s, len(self.registry) + 1)
+            session = Session(
+                site,
+                peer,
+                timeout_s=self._silence_allowed(interval),
+                heartbeat_interval_s=interval,
+                certificate=pem,
+                capabilities=frozenset(first.join.capabilities),
+            )
+            session.open_outbox()  # before it is registered: instructions may follow at once
+            try:
+                replaced = await self._run(self.registry.add, session, self.max_sites)
+            except AtCapacity:  # checked here, atomically, so racing joins cannot overfill
+                await self._refuse_join(context, peer, self._at_capacity(site, identity))
+                return
+            if replaced is not None:
+                await self._run(
+                    self.registry.remove,
+                    replaced,
+                    "replaced by a new connection from the same site",
+                )
+            log.info("site %r joined from %s", site, peer)
+            self.audit.record(
+                "join", site=site, peer=peer, fingerprint=first.join.task_fingerprint, **identity
+            )
+        session.open_outbox()
+        session.handler = asyncio.current_task()
         welcome = pb.Welcome(
             run_id=self.coordinator.run_id,
             session_token=session.token,
             site_name=site,
-            heartbeat_interval_s=interval,
+            heartbeat_interval_s=session.heartbeat_interval_s,
             chunk_bytes=self.config.chunk_bytes,
             secagg=self.config.secagg.enabled,
+            resumed=resumed,
+            grace_s=self.config.heartbeat.grace_s,
         )
         if self.codec.name != "none":  # sites encode their updates with it
             wire.config_to_proto(dataclasses.asdict(self.config.compression), welcome.compression)
         if self.downloads.serves(session.capabilities):  # and decode their downloads with it
             wire.config_to_proto(dataclasses.asdict(self.config.download), welcome.download)
-        reader = asyncio.create_task(self._read(session, context))
+        reader = asyncio.create_task(self._read(session, context, asyncio.current_task()))
+        broke = False
         try:
             await context.write(pb.ServerMessage(welcome=welcome))
             while (message := await session.next_message()) is not None:
                 await context.write(message)
+        except grpc.RpcError:
+            broke = True
+            raise
+        except asyncio.CancelledError:
+            broke = True
+            if session.handler is not asyncio.current_task() or session.detached_at is not None:
+                # Ended here (a rejoin took over, or the site was silent): say so, since
+                # a cancelled handler alone ends nothing the site could see.
+                await _end_cut_stream(
+                    context,
+                    f"site {session.site!r}: this control stream is replaced or the site was "
+                    "silent; rejoin the session (Join.resume_token)",
+                )
+            raise
         finally:  # the site left, the stream broke (keepalive), or the server stops
             reader.cancel()
-            self._leave(session, "control stream closed")
+            if session.handler is asyncio.current_task():  # not taken over by a rejoin
+                session.handler = None
+                if broke:
+                    self._lost(session, "control stream broke")
+                else:
+                    self._leave(session, "control stream closed")
 
     def _silence_allowed(self, interval_s: float) -> float:
         """A site's heartbeat timeout, scaled with the interval it was told."""
@@ -357,8 +429,9 @@ class FedtrainServicer:
                 refusal.reason,
             )
 
-    async def _read(self, session: Session, context: grpc.aio.ServicerContext) -> None:
-        """Consume a site's control messages (a task beside the handler that sends)."""
+    async def _read(self, session: Session, context: grpc.aio.ServicerContext, owner: Any) -> None:
+        """Consume a site's control messages (a task beside `owner`, the handler that
+        sends); once a rejoin has taken the session over, this stream's end is no news."""
         reason = "control stream ended by the site"
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
@@ -386,8 +459,11 @@ class FedtrainServicer:
                     log.warning("site %r: %s", session.site, reason)
                     break
         except grpc.RpcError:
-            reason = "control stream broke"
-        self._leave(session, reason)
+            if session.handler is owner:
+                self._lost(session, "control stream broke")
+            return
+        if session.handler is owner:
+            self._leave(session, reason)
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
@@ -405,6 +481,37 @@ class FedtrainServicer:
             self.audit.record(
                 "secagg_refused", site=session.site, round=message.round, reason=str(exc)
             )
+
+    def _lost(self, session: Session, reason: str) -> None:
+        """The site's control stream broke. After a silence it is an outage: the site
+        is kept `heartbeat.grace_s` (`detach`); while it was talking, its process closed
+        the connection (exited, killed): it is gone at once."""
+        if session.closed or session.detached_at is not None:
+            return
+        quiet_s = time.monotonic() - session.last_seen
+        outage = quiet_s > 2 * session.heartbeat_interval_s and not self.coordinator.stopped
+        if self.config.heartbeat.grace_s > 0 and outage:
+            self.detach(session, f"{reason} after {quiet_s:.0f}s of silence")
+        else:
+            self._leave(session, reason)
+
+    def detach(self, session: Session, reason: str) -> None:
+        """Keep an unreachable site's session and round for `heartbeat.grace_s` (from the
+        loop or any thread): its streams are ended (they are dead or stuck), its upload
+        is kept for a resume, its messages queue until it rejoins."""
+        if not self.registry.detach(session):
+            return
+        grace = self.config.heartbeat.grace_s
+        log.warning(
+            "site %r is unreachable (%s); kept %gs for it to rejoin", session.site, reason, grace
+        )
+        self.audit.record("site_away", site=session.site, reason=reason, grace_s=grace)
+        loop = self._loop or session._loop
+        held = self.held.of_site(session.site)
+        streams = [session.handler, held.task if held is not None else None, *session.streams]
+        for task in streams:
+            if task is not None and loop is not None:
+                loop.call_soon_threadsafe(task.cancel)
 
     def _leave(self, session: Session, reason: str) -> None:
         """End the session (idempotent; the server audits every leave). Not awaited: it
@@ -425,6 +532,15 @@ class FedtrainServicer:
                 "unknown_session",
                 f"{what} from {context.peer()}: unknown session token (the session ended or "
                 "the server restarted); the site must rejoin on its control stream first",
+            )
+        if session.detached_at is not None:
+            await self._deny(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "session_away",
+                f"{what}: the session of site {session.site!r} lost its control stream; the "
+                "site must rejoin it (Join.resume_token) before it transfers again",
+                site=session.site,
             )
         if self.secure and session.peer != context.peer():
             await self._deny(
@@ -483,6 +599,14 @@ class FedtrainServicer:
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
         log.debug("site %r downloads model %s", session.site, model.version[:12])
+        if request.offset:
+            log.info("site %r: model download resumes at byte %d", session.site, request.offset)
+            self.audit.record(
+                "download_resumed",
+                site=session.site,
+                model_version=model.version,
+                offset=request.offset,
+            )
         round_state = self.coordinator.current
         if not (
             isinstance(round_state, RoundState)
@@ -490,36 +614,61 @@ class FedtrainServicer:
             and round_state.model_version == model.version
         ):
             round_state = None  # not a download for a training round's deadline
-        async with self._transfer(session, "down", training=round_state is not None) as meter:
-            manifest, pieces = await self.downloads.prepare(
-                model,
-                encoded=self.downloads.serves(session.capabilities),
-                current=model is self.coordinator.global_model,
-                held=request.held_version,
-                run=self._run,
-            )
-            yield pb.ModelPiece(manifest=manifest)
-            for piece, size in pieces:
-                if (
-                    round_state is not None
-                    and round_state.closed
-                    and self.coordinator.global_model.version != model.version
-                ):
-                    # The round it was for is over and its model superseded: every
-                    # further byte is spent on a model the site can no longer train for
-                    # (a retried attempt trains from the same model: that one goes on).
+        task = asyncio.current_task()
+        session.streams.add(task)  # cancelled if the site goes away meanwhile
+        try:
+            async with self._transfer(session, "down", training=round_state is not None) as meter:
+                manifest, pieces = await self.downloads.prepare(
+                    model,
+                    encoded=self.downloads.serves(session.capabilities),
+                    current=model is self.coordinator.global_model,
+                    held=request.held_version,
+                    run=self._run,
+                )
+                if request.offset > manifest.total_bytes:
                     await _abort(
                         context,
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        f"site {session.site!r}: round {round_state.round} closed and its "
-                        "model was superseded while it downloaded; download stopped (the "
-                        "site gets the next instruction)",
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"site {session.site!r}: a download from byte {request.offset}, but "
+                        f"this download of model {model.version[:12]} has "
+                        f"{manifest.total_bytes} bytes",
                     )
-                self.coordinator.transfers.add(sent=size)
-                meter.add(size)
-                session.touch()
-                yield piece  # bytes or a Chunk: wire.serialize_stream_item
-            meter.whole = True
+                yield pb.ModelPiece(manifest=manifest)
+                skipped = 0  # a resumed download: the chunks the site holds are not sent
+                for piece, size in pieces:
+                    if skipped < request.offset:
+                        skipped += size
+                        if skipped > request.offset:
+                            await _abort(
+                                context,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                f"site {session.site!r}: a download from byte "
+                                f"{request.offset}, which is not a chunk boundary of this "
+                                "download; download the model again",
+                            )
+                        continue
+                    if (
+                        round_state is not None
+                        and round_state.closed
+                        and self.coordinator.global_model.version != model.version
+                    ):
+                        # The round it was for is over and its model superseded: every
+                        # further byte is spent on a model the site can no longer train for
+                        # (a retried attempt trains from the same model: that one goes on).
+                        await _abort(
+                            context,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"site {session.site!r}: round {round_state.round} closed and its "
+                            "model was superseded while it downloaded; download stopped (the "
+                            "site gets the next instruction)",
+                        )
+                    self.coordinator.transfers.add(sent=size)
+                    meter.add(size)
+                    session.touch()
+                    yield piece  # bytes or a Chunk: wire.serialize_stream_item
+                meter.whole = True
+        finally:
+            session.streams.discard(task)
 
     @contextlib.asynccontextmanager
     async def _transfer(
@@ -569,48 +718,28 @@ class FedtrainServicer:
                     f"{where}: no round is in progress; update dropped",
                 )
             self._check_header(state, header, where)
-            await self._run(state.admit, session, header.round, header.model_version)
+            if header.resume_id:
+                held = await self._run(self.held.claim, header.resume_id, session, header, state)
+            else:
+                await self._run(self._restart, session.site)
+                await self._run(state.admit, session, header.round, header.model_version)
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
-        self.coordinator.links.upload_started(session.site, count_compute=not header.masked)
-        weight = None if header.masked else await self._weigh(state, session, header, context)
-        async with self._transfer(session, "up") as meter:
-            await context.send_initial_metadata(((wire.UPLOAD_GO_AHEAD, "1"),))
-            try:
-                if weight is None:
-                    assert isinstance(state, SecureRoundState)
-                    received = await self._receive_masked(state, session, header, request_iterator)
-                else:
-                    received = await self._receive(state, session, header, weight, request_iterator)
-            except (grpc.RpcError, asyncio.CancelledError):
-                log.warning("%s: the upload stream broke off; partial update discarded", where)
-                self.audit.record("upload_aborted", site=session.site, round=header.round)
-                await asyncio.shield(self._run(state.abandon, session.site))
-                return pb.UploadReceipt()
-            except UploadRefused as exc:
-                await self._run(state.abandon, session.site)
-                await self._refuse(context, session, header.round, exc.code, str(exc))
-            except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-                await self._run(state.abandon, session.site)
-                await self._refuse(
-                    context,
-                    session,
-                    header.round,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{where}: update rejected: {exc}",
+        if not header.resume_id:
+            self.coordinator.links.upload_started(session.site, count_compute=not header.masked)
+            weight = None if header.masked else await self._weigh(state, session, header, context)
+            held = self._new_upload(state, session, header, weight)
+        try:
+            async with self._transfer(session, "up") as meter:
+                received = await self._stream_upload(
+                    context, state, session, header, held, request_iterator
                 )
-            except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-                await self._run(state.abandon, session.site)
-                log.exception("%s: the upload failed on the server", where)
-                await self._refuse(
-                    context,
-                    session,
-                    header.round,
-                    grpc.StatusCode.INTERNAL,
-                    f"{where}: the server failed to store the update ({exc}); it may be retried",
-                )
-            meter.whole = True
+                meter.whole = True
+        except asyncio.CancelledError:  # e.g. the site went away while its upload waited
+            held.abandoned_before_start()
+            raise
+        weight = held.weight
         log.info(
             "%s: %s update of %d bytes aggregated",
             where,
@@ -632,6 +761,211 @@ class FedtrainServicer:
             num_examples_counted=0 if weight is None else weight.weight,
             notice="" if weight is None else weight.reason,
         )
+
+    async def _stream_upload(
+        self,
+        context: grpc.aio.ServicerContext,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        held: HeldUpload,
+        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+    ) -> int:
+        """With a transfer slot: tell the site to go (and from which byte), receive the
+        rest of the upload and fold it; a broken stream leaves it held for a resume."""
+        where = f"site {session.site!r}, round {header.round}"
+        try:
+            generation, offset, superseded = await self._run(held.attach, asyncio.current_task())
+        except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: the upload was discarded before it could resume",
+            )
+        if superseded is not None:  # its connection looked open, but the site moved on
+            superseded.cancel()
+        if offset:
+            log.info("%s: upload resumes at byte %d", where, offset)
+            self.audit.record(
+                "upload_resumed", site=session.site, round=header.round, offset=offset
+            )
+        await context.send_initial_metadata(
+            (
+                (wire.UPLOAD_GO_AHEAD, "1"),
+                (wire.UPLOAD_ID, held.id),
+                (wire.UPLOAD_OFFSET, str(offset)),
+            )
+        )
+        try:
+            return await self._receive(
+                state, session, header, held, generation, request_iterator, context
+            )
+        except (grpc.RpcError, asyncio.CancelledError, Superseded):
+            await self._broke_off(context, session, header, held, generation)
+        except EndedEarly as exc:
+            self._pause(session, header, held, generation)
+            await self._refuse(
+                context, session, header.round, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+            )
+        except UploadRefused as exc:
+            await self._run(self.discard, held, "refused", False)
+            await self._refuse(context, session, header.round, exc.code, str(exc))
+        except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
+            await self._run(self.discard, held, "rejected", False)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: update rejected: {exc}",
+            )
+        except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
+            await self._run(self.discard, held, "failed on the server", False)
+            log.exception("%s: the upload failed on the server", where)
+            await self._refuse(
+                context,
+                session,
+                header.round,
+                grpc.StatusCode.INTERNAL,
+                f"{where}: the server failed to store the update ({exc}); it may be retried",
+            )
+
+    def _pause(
+        self, session: Session, header: pb.UploadHeader, held: HeldUpload, generation: int
+    ) -> bool:
+        """Keep an upload whose stream `generation` ended short (on the loop, not awaited:
+        a cancelled handler may be cancelled again); False if another stream feeds it
+        now or it was discarded."""
+        if not held.detach(generation):
+            return False
+        log.warning(
+            "site %r, round %d: the upload stream broke off at byte %d; kept %gs for the "
+            "site to resume",
+            session.site,
+            header.round,
+            held.offset,
+            self.held.grace_s,
+        )
+        self.audit.record(
+            "upload_paused", site=session.site, round=header.round, offset=held.offset
+        )
+        return True
+
+    async def _broke_off(
+        self,
+        context: grpc.aio.ServicerContext,
+        session: Session,
+        header: pb.UploadHeader,
+        held: HeldUpload,
+        generation: int,
+    ) -> NoReturn:
+        """The stream broke, was superseded by the site's resume, or was cut here (the
+        site is away, or was dropped): keep the upload if it is still the site's, and
+        tell the site, if it can still hear us, what to do."""
+        where = f"site {session.site!r}, round {header.round}"
+        if not self._pause(session, header, held, generation) and held.discarded:
+            await _end_cut_stream(
+                context,
+                f"{where}: the upload was discarded ({held.discarded}); do not resume it",
+                grpc.StatusCode.ABORTED,
+            )
+        await _end_cut_stream(
+            context,
+            f"{where}: the upload stream was cut after {held.offset} bytes; the server keeps "
+            f"them for {self.held.grace_s:g}s: resume it",
+        )
+
+    def _new_upload(
+        self,
+        state: RoundState | BufferedRounds,
+        session: Session,
+        header: pb.UploadHeader,
+        weight: WeightDecision | None,
+    ) -> HeldUpload:
+        """A new upload's journal, registered so that a broken stream can resume it."""
+        sink: UpdateSpool | MaskedUpload
+        if weight is None:
+            assert isinstance(state, SecureRoundState)
+            sink = MaskedUpload(
+                state.layout.length + 1,
+                self.config.chunk_bytes,
+                lambda offset, values: state.fold_masked(session, offset, values),
+            )
+        else:
+            specs = self.coordinator.global_model.state.specs
+            sink = (
+                UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
+                if self.codec.name == "none"
+                else DecodingSpool(
+                    self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
+                )
+            )
+        held = HeldUpload(
+            site=session.site,
+            token=session.token,
+            certificate=session.certificate,
+            state=state,
+            terms=header_terms(header),
+            sink=sink,
+            weight=weight,
+        )
+        self.held.add(held)
+        return held
+
+    def _restart(self, site: str) -> None:
+        """A new upload from `site`: one it left broken off is discarded (the site lost
+        its id, or restarts on purpose); one still streaming stays, and the round's
+        admission refuses the second."""
+        held = self.held.of_site(site)
+        if held is not None and not held.attached:
+            self.discard(held, "the site started a new upload")
+
+    def discard(self, held: HeldUpload, reason: str, cancel: bool = True) -> None:
+        """Throw an upload away (on the pool): out of the round's sum and off the disk,
+        its stream (if one still feeds it, unless it is the caller's) cancelled at once."""
+        live, task = held.end(reason)
+        self.held.forget(held)
+        if not live:
+            return
+        if cancel and task is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(task.cancel)
+        held.state.abandon(held.site)
+        self.coordinator.transfers.settle(discarded=held.offset)
+        self.held.lost(held)
+        if isinstance(held.sink, UpdateSpool):
+            held.sink.close()
+        if cancel:  # a refusal is logged and audited by the handler that refuses
+            log.warning(
+                "site %r, round %s: upload of %d bytes discarded: %s",
+                held.site,
+                held.terms[0],
+                held.offset,
+                reason,
+            )
+            self.audit.record(
+                "upload_discarded",
+                site=held.site,
+                round=held.terms[0],
+                bytes=held.offset,
+                reason=reason,
+            )
+
+    def sweep_uploads(self) -> int:
+        """Discard uploads not resumed within their grace or whose round closed (the
+        watchdog calls it); returns how many."""
+        expired = self.held.expired()
+        for held, reason in expired:
+            self.cpu.submit(self.discard, held, reason)
+        return len(expired)
+
+    def site_gone(self, session: Session, reason: str) -> None:
+        """A leave listener: the upload of a site that left is discarded at once, its
+        stream cancelled (the round's retry must not wait on it)."""
+        held = self.held.of_site(session.site)
+        if held is not None and held.token == session.token:
+            self.discard(held, f"the site left ({reason})")
 
     async def _weigh(
         self,
@@ -704,67 +1038,66 @@ class FedtrainServicer:
         state: RoundState | BufferedRounds,
         session: Session,
         header: pb.UploadHeader,
-        weight: WeightDecision,
+        held: HeldUpload,
+        generation: int,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+        context: grpc.aio.ServicerContext,
     ) -> int:
-        """Validate and journal one upload as it arrives, and fold it from its journal
-        once whole, with the weight the policy let through; returns the bytes received.
+        """Validate and journal an upload's chunks as they arrive (after those the server
+        held already), and once it is whole fold a plain update from its journal with
+        the weight the policy let through (a masked vector was folded chunk by chunk);
+        returns the update's bytes.
 
         An upload that fails on the way was never folded, so it leaves no trace in the
         round's sum. An encoded upload (`[compression]`) is journaled as its codec's
         parts and folded decoded.
         """
-        specs = self.coordinator.global_model.state.specs
-        spool = (
-            UpdateSpool(specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory)
-            if self.codec.name == "none"
-            else DecodingSpool(
-                self.codec, specs, self.spool_dir, self.config.chunk_bytes, self.journal_memory
-            )
-        )
+        sink = held.sink
 
-        def journal(chunk: Chunk) -> None:
+        def still_open() -> None:
             if state.closed:  # e.g. the deadline passed: stop receiving at once
                 raise UploadRefused(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"site {session.site!r}, round {header.round}: the round closed "
                     "while the update was being received; update dropped",
                 )
-            spool.add(chunk)
 
-        def finish() -> None:
-            spool.finish()
-            state.commit(session, spool, weight.weight, dict(header.metrics))
+        def journal(chunk: Chunk) -> None:
+            again = held.add(generation, chunk, still_open)
+            if again:
+                self.coordinator.transfers.settle(resent=again)
 
-        try:
-            async for chunk in self._chunks(session, header, request_iterator):
-                await self._run(journal, chunk)
-            await self._run(finish)
-        except BaseException:
-            await asyncio.shield(self._run(state.abandon, session.site))
-            raise
-        finally:
-            await asyncio.shield(self._run(spool.close))
-        return spool.bytes_received
+        def commit() -> None:
+            try:
+                sink.finish()
+                if isinstance(sink, UpdateSpool):
+                    weight = held.weight.weight
+                    state.commit(session, sink, weight, dict(header.metrics))
+            except BaseException:
+                self.held.forget(held)
+                state.abandon(session.site)
+                self.coordinator.transfers.settle(discarded=held.offset)
+                self.held.lost(held)
+                raise
+            finally:
+                if isinstance(sink, UpdateSpool):
+                    sink.close()
+            self.held.forget(held)
+            self.coordinator.transfers.settle(accepted=held.offset)
 
-    async def _receive_masked(
-        self,
-        state: SecureRoundState,
-        session: Session,
-        header: pb.UploadHeader,
-        request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
-    ) -> int:
-        """Validate a masked vector chunk by chunk and fold each into the secure sum at once
-        (no spool: it is uniformly random, and a broken stream is taken back out)."""
-        upload = MaskedUpload(
-            state.layout.length + 1,
-            self.config.chunk_bytes,
-            lambda offset, values: state.fold_masked(session, offset, values),
-        )
         async for chunk in self._chunks(session, header, request_iterator):
-            await self._run(upload.add, chunk)
-        upload.finish()
-        return upload.bytes_received
+            await self._run(journal, chunk)
+        if not sink.whole:
+            # gRPC may end a cut stream's requests as if the site had closed them, so an
+            # upload that ends short is kept for a resume, like one that broke off.
+            raise EndedEarly(
+                f"site {session.site!r}, round {header.round}: the upload's stream ended "
+                f"early, after {sink.bytes_received} of the update's {sink.expected_bytes} "
+                f"bytes; the server keeps them for upload_grace_s ({self.held.grace_s:g}s): "
+                "resume the upload to send the rest"
+            )
+        await self._run(held.complete, generation, commit)
+        return sink.bytes_received
 
     async def _chunks(
         self,
@@ -840,6 +1173,19 @@ async def _abort(
 ) -> NoReturn:
     await context.abort(code, message)
     raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+
+async def _end_cut_stream(
+    context: grpc.aio.ServicerContext,
+    message: str,
+    code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+) -> NoReturn:
+    """End a stream whose handler was cancelled with a status the peer can read (a
+    cancelled handler alone leaves a peer that can still hear the server waiting)."""
+    task = asyncio.current_task()
+    while task is not None and task.uncancel():
+        pass
+    await _abort(context, code, message)
 
 
 def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:

@@ -5,6 +5,8 @@ instruction by putting it there; nothing polls. The outbox is an asyncio queue o
 server's event loop (a site costs a coroutine, not a thread); `Session.send` may be
 called from any thread. Membership changes notify a condition the coordinator waits
 on, and leave listeners turn a vanished site into a dropout of the round in progress.
+A site whose link failed is first *detached* (kept, with its outbox, for the outage
+grace) and may `rejoin` its session from a new connection.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -57,15 +60,27 @@ class Session:
     #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
     #: held-out set and answers EVALUATE instructions).
     capabilities: frozenset[str] = frozenset()
+    #: When its control stream broke or went silent (an outage, presumably): the site
+    #: stays in its round until `heartbeat.grace_s` later, and may rejoin meanwhile
+    #: with its token (Join.resume_token). None while a control stream serves it.
+    detached_at: float | None = None
+    #: The handler task of the control stream that serves it (cancelled when a rejoin
+    #: takes over, or when it is detached).
+    handler: Any = field(default=None, repr=False)
+    #: Handler tasks of its downloads in progress (cancelled when it is detached).
+    streams: set[Any] = field(default_factory=set, repr=False)
     #: Upload bytes received over this session (what its link moved: `links.py`).
     bytes_received: int = 0
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
     def open_outbox(self) -> None:
-        """Bind the outbox to the running event loop (the control stream that drains it)."""
+        """Bind the outbox to the running event loop (the control stream that drains it).
+        A rejoined session keeps its outbox: what was queued meanwhile is sent on the new
+        stream."""
         self._loop = asyncio.get_running_loop()
-        self._outbox = asyncio.Queue()
+        if self._outbox is None:
+            self._outbox = asyncio.Queue()
 
     def send(self, message: pb.ServerMessage | None) -> None:
         """Queue a message for the site, from any thread; its control stream sends it at
@@ -177,6 +192,45 @@ class SessionRegistry:
             listener(session, reason)
         return True
 
+    def detach(self, session: Session) -> bool:
+        """Keep `session` (and its round) while its site is away; True if it was attached.
+        Its connection no longer counts as its own."""
+        with self._lock:
+            if session.closed or session.detached_at is not None:
+                return False
+            session.detached_at = time.monotonic()
+            if self._by_peer.get(session.peer) is session:
+                del self._by_peer[session.peer]
+            self.changed.notify_all()
+            return True
+
+    def rejoin(self, token: str, site: str, certificate: bytes, peer: str) -> Session | None:
+        """The live session `token` names, now served on connection `peer`, if it is
+        `site`'s (with the same certificate); else None (the site starts a new one)."""
+        with self._lock:
+            session = self._by_token.get(token)
+            if session is None or session.closed:
+                return None
+            if session.site != site or session.certificate != certificate:
+                return None
+            if self._by_peer.get(session.peer) is session:
+                del self._by_peer[session.peer]
+            session.peer, session.detached_at = peer, None
+            session.touch()
+            self._by_peer[peer] = session
+            self.changed.notify_all()
+            return session
+
+    def away(self, grace_s: float) -> list[Session]:
+        """Detached sessions whose site has not rejoined within `grace_s`."""
+        now = time.monotonic()
+        with self._lock:
+            return [
+                s
+                for s in self._by_site.values()
+                if s.detached_at is not None and now - s.detached_at > grace_s
+            ]
+
     def by_token(self, token: str) -> Session | None:
         with self._lock:
             return self._by_token.get(token)
@@ -198,12 +252,16 @@ class SessionRegistry:
         with self._lock:
             return len(self._by_site)
 
+    def _attached(self) -> list[str]:
+        return [name for name, s in self._by_site.items() if s.detached_at is None]
+
     def wait_for(self, count: int) -> list[str] | None:
-        """Block until at least `count` sites are connected; their names, or None if stopped."""
+        """Block until at least `count` sites are connected (not away in an outage);
+        their names, or None if stopped."""
         with self._lock:
-            while len(self._by_site) < count and not self._stopped:
+            while len(self._attached()) < count and not self._stopped:
                 self.changed.wait()
-            return None if self._stopped else sorted(self._by_site)
+            return None if self._stopped else sorted(self._attached())
 
     def wait_for_change(self) -> None:
         """Block until a site joins or leaves (or the registry stops)."""
@@ -218,7 +276,11 @@ class SessionRegistry:
             self.changed.notify_all()
 
     def silent(self) -> list[Session]:
-        """Sessions silent for longer than their own `timeout_s`."""
+        """Attached sessions silent for longer than their own `timeout_s`."""
         now = time.monotonic()
         with self._lock:
-            return [s for s in self._by_site.values() if now - s.last_seen > s.timeout_s]
+            return [
+                s
+                for s in self._by_site.values()
+                if s.detached_at is None and now - s.last_seen > s.timeout_s
+            ]

@@ -80,7 +80,26 @@ class MemoryBudget:
             self.used -= size
 
 
-class UpdateSpool:
+class _Received:
+    """How much of an upload (checked by its `_validator`) has arrived."""
+
+    _validator: ChunkValidator
+
+    @property
+    def bytes_received(self) -> int:
+        return self._validator.bytes_received
+
+    @property
+    def expected_bytes(self) -> int:
+        return self._validator.expected_bytes
+
+    @property
+    def whole(self) -> bool:
+        """Every byte arrived (a plain update may still be refused at `finish`)."""
+        return self.bytes_received == self.expected_bytes
+
+
+class UpdateSpool(_Received):
     """One update's validated chunks, journaled in memory or on disk as they arrive.
 
     `add` checks a chunk and journals it; `fold_into` folds the complete update into
@@ -112,10 +131,6 @@ class UpdateSpool:
         self._written = 0
         self._largest = 0
         self._complete = False
-
-    @property
-    def bytes_received(self) -> int:
-        return self._validator.bytes_received
 
     @property
     def complete(self) -> bool:
@@ -212,7 +227,7 @@ class UpdateSpool:
 MaskedFold = Callable[[int, np.ndarray], bool]
 
 
-class MaskedUpload:
+class MaskedUpload(_Received):
     """One site's masked vector on its way in: checked chunk by chunk, folded at once.
 
     The chunks must form exactly one `masked_spec(length)` tensor, in order (the
@@ -226,10 +241,6 @@ class MaskedUpload:
         self._fold = fold
         self._next = 0  # byte offset the next chunk must start at
         self.complete = False
-
-    @property
-    def bytes_received(self) -> int:
-        return self._validator.bytes_received
 
     def add(self, chunk: Chunk) -> None:
         check_chunk_size(chunk, self.max_chunk_bytes)

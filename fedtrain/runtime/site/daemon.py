@@ -6,9 +6,12 @@ so the control stream stays responsive: download the global model (skipped when
 the version is cached), train with the task, upload the delta in chunks. Anything
 that breaks the connection sends the daemon back to reconnecting with exponential
 backoff and jitter, forever, until `stop()` (SIGTERM/SIGINT in the CLI); a server
-that restarts with `--resume` is simply rejoined. When the server says the run is
-complete the site waits for its next run, or, with `exit_when_done`, leaves (for
-scripts, CI and Kubernetes Jobs).
+that restarts with `--resume` is simply rejoined. After a broken control stream the
+daemon asks the server to continue its session (Join.resume_token): if the server
+kept it (`heartbeat.grace_s`), the round in progress goes on, and a transfer that
+broke off continues on the new connection, an upload from the offset the server
+holds. When the server says the run is complete the site waits for its next run,
+or, with `exit_when_done`, leaves (for scripts, CI and Kubernetes Jobs).
 
 A site with `devices`/`nproc` (or launched by torchrun) trains on a DDP worker group
 instead of in this process (see `workers.py`). The group is started before the
@@ -23,9 +26,9 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -78,8 +81,14 @@ from fedtrain.tensors import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
+#: gRPC codes of a transfer whose stream or link failed (not refused): it is resumed
+#: once the session's link is up again, until the round's deadline.
+BROKEN_LINK = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+#: Pause before a broken transfer is tried again on a link that looks up.
+RESUME_PAUSE_S = 0.5
 #: How long a stopping daemon waits for a job in flight to notice. A round training in
 #: this process cannot be interrupted, and its update is lost either way (the server
 #: counts this site as a dropout), so the daemon does not wait for it to finish.
@@ -140,6 +149,11 @@ class Link:
     download_codec: Codec | None = None
     #: Seconds between heartbeats: told in Welcome, lengthened by Pace as sites join.
     heartbeat_interval_s: float = 5.0
+    #: How long the server keeps the session when its link fails (Welcome.grace_s).
+    grace_s: float = 0.0
+    #: Set while a control stream serves the session; cleared while the link is down
+    #: and the daemon tries to rejoin it (Join.resume_token), so that transfers wait.
+    up: threading.Event = field(default_factory=threading.Event)
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -229,6 +243,10 @@ class SiteDaemon:
         self._job_ready = threading.Condition()
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
+        #: The session whose control stream broke: the next Join asks to continue it.
+        self._away: Link | None = None
+        #: The last instruction received (serialized): a repeat of it is not work.
+        self._instructed = b""
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -300,6 +318,10 @@ class SiteDaemon:
     def stop(self) -> None:
         """Leave: cancel the control stream and end the threads (idempotent, signal-safe)."""
         self._stop.set()
+        away = self._away
+        if away is not None:
+            away.closed.set()
+            away.up.set()
         with self._lock:
             call = self._call
         if call is not None:
@@ -326,6 +348,7 @@ class SiteDaemon:
             protocol_version=wire.PROTOCOL_VERSION,
             capabilities=self.capabilities,
             cached_model_version=cached,
+            resume_token=self._away.token if self._away is not None else "",
         )
         if challenge is not None and self._identity is not None:
             server_name = self.config.tls.server_name or dialled_host(self.config.server)
@@ -361,6 +384,7 @@ class SiteDaemon:
         if self._stop.is_set():
             call.cancel()
         link: Link | None = None
+        broke = False
         try:
             for message in call:
                 kind = message.WhichOneof("kind")
@@ -392,10 +416,19 @@ class SiteDaemon:
                 else:
                     log.warning("ignoring a %s message this site does not handle", kind)
             log.info("the server ended the control stream")
+        except grpc.RpcError:
+            broke = not self._stop.is_set()
+            raise
         finally:
-            if link is not None:
-                link.closed.set()
-                self.secagg.close("the session ended")
+            if link is not None and broke:  # an outage, maybe: try to continue it
+                link.up.clear()
+                self._away = link
+                log.warning(
+                    "the control stream broke; rejoining the session (the server keeps it for %gs)",
+                    link.grace_s,
+                )
+            elif link is not None:
+                self._end_link(link)
             outbox.put(None)
             call.cancel()
             channel.close()
@@ -427,10 +460,22 @@ class SiteDaemon:
                 "refusing to train for it. The server operator must enable [secagg] in "
                 "server.toml"
             )
+        away, self._away = self._away, None
+        if away is not None and w.resumed and w.session_token == away.token:
+            away.channel, away.outbox = channel, outbox
+            away.heartbeat_interval_s = w.heartbeat_interval_s
+            away.up.set()  # transfers waiting for the link continue on the new channel
+            log.info("site %r rejoined its session of run %s", w.site_name, w.run_id)
+            return away
+        if away is not None:
+            log.warning("the server did not keep this site's session; work in flight is lost")
+            self._end_link(away)
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
         link.codec = self._codec(w)
         link.download_codec = self._download_codec(w)
         link.heartbeat_interval_s = w.heartbeat_interval_s
+        link.grace_s = w.grace_s
+        link.up.set()
         self.run_complete = False  # a new run, or the same one resumed
         log.info("site %r joined run %s", w.site_name, w.run_id)
         threading.Thread(
@@ -440,6 +485,12 @@ class SiteDaemon:
             daemon=True,
         ).start()
         return link
+
+    def _end_link(self, link: Link) -> None:
+        """The session is over for good: transfers waiting for it give up."""
+        link.closed.set()
+        link.up.set()  # wake waiters; they see `closed`
+        self.secagg.close("the session ended")
 
     def _codec(self, w: pb.Welcome) -> Codec:
         """The codec the server asks for; the same object as before if nothing changed,
@@ -475,7 +526,13 @@ class SiteDaemon:
 
     # -- work ----------------------------------------------------------------------------------
     def _submit(self, link: Link, instruction: pb.Instruction) -> None:
-        """Hand an instruction to the trainer; a newer one replaces one not yet started."""
+        """Hand an instruction to the trainer; a newer one replaces one not yet started.
+        One the site has already (the server repeats it after a rejoin) is ignored."""
+        key = instruction.SerializeToString(deterministic=True)
+        if key == self._instructed:
+            log.debug("round %d: instruction already in hand", instruction.round)
+            return
+        self._instructed = key
         evaluate = instruction.kind == pb.EVALUATE
         if not (
             instruction.kind == pb.TRAIN or (evaluate and EVALUATE_CAPABILITY in self.capabilities)
@@ -524,7 +581,8 @@ class SiteDaemon:
             return
         try:
             clock = _PhaseClock()
-            global_state = self.fetch_model(link, instruction.model_version)
+            deadline = instruction.deadline_unix
+            global_state = self.fetch_model(link, instruction.model_version, deadline)
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
             local, result = self._train(global_state, config, instruction.deadline_unix)
@@ -537,7 +595,7 @@ class SiteDaemon:
                 header = _plain_header(link, instruction, result)
                 chunks = update_chunks(link, local, global_state)
                 header.codec = link.codec.name
-            receipt = self._upload(link, header, chunks)
+            receipt = self._upload(link, header, chunks, deadline)
             clock.mark("upload")
             if receipt.notice:  # the server's weight policy clipped this site's weight
                 log.warning("round %d: the server says: %s", server_round, receipt.notice)
@@ -647,10 +705,11 @@ class SiteDaemon:
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
         return ModelState(select(self.model.state_dict(), self.federated)), result
 
-    def fetch_model(self, link: Link, version: str) -> ModelState:
+    def fetch_model(self, link: Link, version: str, deadline_unix: float = 0.0) -> ModelState:
         """The global model of `version`: from the cache, or downloaded in chunks (only
         the change, when the server sends changes and this site holds the reference
-        version they start from)."""
+        version they start from). With a deadline, a download that breaks off continues
+        on the rejoined session from the bytes received (ModelRequest.offset)."""
         cached = self._cache
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
@@ -663,62 +722,174 @@ class SiteDaemon:
         # else it stays untouched, and cached, until a change is added into it: a download
         # that breaks off before leaves the reference for the next one to start from.
         try:
-            state, reference = self._download(link, version, previous, held)
+            state, reference = self._download(link, version, previous, held, deadline_unix)
         except DigestMismatch as exc:
             self._cache, self._reference = None, ""
             log.warning("%s; downloading it whole", exc)
-            state, reference = self._download(link, version, None, "")
+            state, reference = self._download(link, version, None, "", deadline_unix)
         self._cache = (version, state)
         self._reference = version if reference else ""
         self.downloads += 1
         return state
 
     def _download(
-        self, link: Link, version: str, previous: ModelState | None, held: str
+        self,
+        link: Link,
+        version: str,
+        previous: ModelState | None,
+        held: str,
+        deadline_unix: float = 0.0,
     ) -> tuple[ModelState, bool]:
-        """One DownloadModel call: (the model, whether it is the server's reference)."""
-        download = link.channel.unary_stream(
-            wire.method_path("DownloadModel"),
-            request_serializer=pb.ModelRequest.SerializeToString,
-            response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
-        )
-        request = pb.ModelRequest(version=version, session_token=link.token, held_version=held)
-        pieces = download(request)
-        head = next(pieces, None)
-        if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
-            raise ProtocolError("a model download must start with its manifest")
-        if head.manifest.model_version != version:
-            raise ProtocolError(
-                f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
+        """One download (continued across broken streams until `deadline_unix`): (the
+        model, whether it is the server's reference)."""
+
+        def request(offset: int) -> tuple[pb.Manifest, Iterator[Any]]:
+            download = link.channel.unary_stream(
+                wire.method_path("DownloadModel"),
+                request_serializer=pb.ModelRequest.SerializeToString,
+                response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
             )
-        return receive_model(
-            head.manifest, _download_chunks(pieces), link.download_codec, previous, held
-        )
+            pieces = download(
+                pb.ModelRequest(
+                    version=version, session_token=link.token, held_version=held, offset=offset
+                )
+            )
+            head = next(pieces, None)
+            if head is None or isinstance(head, Chunk) or head.WhichOneof("kind") != "manifest":
+                raise ProtocolError("a model download must start with its manifest")
+            if head.manifest.model_version != version:
+                raise ProtocolError(
+                    f"asked for model {version[:12]}, got {head.manifest.model_version[:12]}"
+                )
+            return head.manifest, pieces
+
+        if deadline_unix:
+            manifest, pieces = self._through_outages(
+                link, deadline_unix, "download", lambda: request(0)
+            )
+        else:
+            manifest, pieces = request(0)
+        chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
+        return receive_model(manifest, chunks, link.download_codec, previous, held)
+
+    def _resumed(
+        self,
+        link: Link,
+        deadline_unix: float,
+        manifest: pb.Manifest,
+        pieces: Iterator[Any] | None,
+        request: Callable[[int], tuple[pb.Manifest, Iterator[Any]]],
+    ) -> Iterator[Chunk]:
+        """A download's chunks; when its stream breaks (and a deadline allows), the rest,
+        asked for from the bytes received, on the rejoined session: what the site holds
+        is not sent again."""
+        received = 0
+        while True:
+            try:
+                if pieces is None:
+                    again, pieces = request(received)
+                    if again != manifest:
+                        raise ProtocolError("the server's download changed while it was resumed")
+                    log.info("model download continues from byte %d", received)
+                for chunk in _download_chunks(pieces):
+                    received += len(chunk.data)
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if not deadline_unix or exc.code() not in BROKEN_LINK:
+                    raise
+                if not self._await_link(link, deadline_unix):
+                    raise
+                log.warning(
+                    "the download broke off after %d bytes (%s); continuing it on the "
+                    "rejoined session",
+                    received,
+                    rpc.describe_rpc_error(exc),
+                )
+                pieces = None
+
+    def _through_outages(
+        self, link: Link, deadline_unix: float, what: str, transfer: Callable[[], _T]
+    ) -> _T:
+        """`transfer()`, tried again when the link fails until the round's deadline: the
+        daemon rejoins the session meanwhile (`Link.up`). Refusals are not retried."""
+        while True:
+            try:
+                return transfer()
+            except grpc.RpcError as exc:
+                if exc.code() not in BROKEN_LINK or not self._await_link(link, deadline_unix):
+                    raise
+                log.warning(
+                    "the %s broke off (%s); continuing it on the rejoined session",
+                    what,
+                    rpc.describe_rpc_error(exc),
+                )
+
+    def _await_link(self, link: Link, deadline_unix: float) -> bool:
+        """Wait until the session's link is up again (rejoined); False if the session
+        ended, the daemon stops or the round's deadline passes first."""
+        end = deadline_unix or time.time() + link.grace_s
+        while not self._stop.is_set() and not link.closed.is_set():
+            left = end - time.time()
+            if left <= 0:
+                return False
+            if link.up.wait(min(left, 1.0)):
+                if link.closed.is_set():
+                    return False
+                # A stream may break while the control stream still looks fine (or
+                # before its break is noticed): do not spin on a dead channel.
+                self._stop.wait(RESUME_PAUSE_S)
+                return not (self._stop.is_set() or link.closed.is_set())
+        return False
 
     def _upload(
-        self, link: Link, header: pb.UploadHeader, chunks: Iterator[Chunk]
+        self,
+        link: Link,
+        header: pb.UploadHeader,
+        chunks: Callable[[], Iterator[Chunk]],
+        deadline_unix: float = 0.0,
     ) -> pb.UploadReceipt:
-        upload = link.channel.stream_unary(
-            wire.method_path("UploadUpdate"),
-            request_serializer=wire.serialize_stream_item,
-            response_deserializer=pb.UploadReceipt.FromString,
-        )
+        """Send an update: `chunks()` makes its chunks (again for each stream). A broken
+        stream is resumed: the server's go-ahead says how many bytes it holds
+        (`wire.UPLOAD_OFFSET`), and only the chunks after them are sent."""
+        upload_id = ""
 
-        calls: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+        def attempt() -> pb.UploadReceipt:
+            nonlocal upload_id
+            header.resume_id = upload_id
+            header.session_token = link.token
+            upload = link.channel.stream_unary(
+                wire.method_path("UploadUpdate"),
+                request_serializer=wire.serialize_stream_item,
+                response_deserializer=pb.UploadReceipt.FromString,
+            )
+            calls: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
 
-        def items() -> Iterator[object]:
-            yield pb.UpdateChunk(header=header)
-            # The chunks wait here for the server's go-ahead (wire.UPLOAD_GO_AHEAD); a
-            # refused upload ends the call, which ends this wait too (and the update is
-            # then not encoded for nothing).
-            call = calls.get()
-            call.initial_metadata()
-            if not call.done():
-                yield from chunks
+            def items() -> Iterator[object]:
+                nonlocal upload_id
+                yield pb.UpdateChunk(header=header)
+                # The chunks wait here for the server's go-ahead (wire.UPLOAD_GO_AHEAD);
+                # a refused upload ends the call, which ends this wait too (and the update
+                # is then not encoded for nothing).
+                call = calls.get()
+                metadata = dict(call.initial_metadata() or ())
+                if call.done():
+                    return
+                upload_id = str(metadata.get(wire.UPLOAD_ID, ""))
+                offset = int(metadata.get(wire.UPLOAD_OFFSET, 0))
+                if offset:
+                    log.info(
+                        "round %d: the server holds %d bytes; sending the rest",
+                        header.round,
+                        offset,
+                    )
+                yield from wire.chunks_after(chunks(), offset)
 
-        call = upload.future(items())
-        calls.put(call)
-        return call.result()
+            call = upload.future(items())
+            calls.put(call)
+            return call.result()
+
+        return self._through_outages(link, deadline_unix, "upload", attempt)
 
 
 def _download_chunks(pieces: Iterator[Any]) -> Iterator[Chunk]:
@@ -785,11 +956,16 @@ def delta_chunks(local: ModelState, global_state: ModelState, chunk_bytes: int) 
         yield Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
 
 
-def update_chunks(link: Link, local: ModelState, global_state: ModelState) -> Iterator[Chunk]:
-    """The plain update's chunks: the delta as it is, or encoded with the link's codec."""
+def update_chunks(
+    link: Link, local: ModelState, global_state: ModelState
+) -> Callable[[], Iterator[Chunk]]:
+    """The plain update's chunks, made anew for each stream of its upload: the delta
+    as it is, or encoded with the link's codec (once: encoding moves top-k's residual)."""
+    chunk_bytes = link.chunk_bytes
     if link.codec.name == "none":
-        return delta_chunks(local, global_state, link.chunk_bytes)
-    return link.codec.encode(compute_delta(local, global_state)).chunks(link.chunk_bytes)
+        return lambda: delta_chunks(local, global_state, chunk_bytes)
+    encoded = link.codec.encode(compute_delta(local, global_state))
+    return lambda: encoded.chunks(chunk_bytes)
 
 
 class _PhaseClock:

@@ -39,7 +39,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -182,8 +182,9 @@ class SiteSecAgg:
         local: ModelState,
         global_state: ModelState,
         result: TrainResult,
-    ) -> tuple[pb.UploadHeader, Iterator[Chunk]]:
-        """The upload of this round's masked update: header and chunks.
+    ) -> tuple[pb.UploadHeader, Callable[[], Iterator[Chunk]]]:
+        """The upload of this round's masked update: header and its chunks (a function
+        that makes them, again for each resumed stream).
 
         Waits (bounded by the round's deadline) for the neighbours' shares. Raises
         `RoundSuperseded` if the server moved on meanwhile, `SecAggError` if the round
@@ -198,7 +199,8 @@ class SiteSecAgg:
             model_version=instruction.model_version,
             masked=True,
         )
-        return header, wire.masked_chunks(masked.vector, link.chunk_bytes)
+        chunk_bytes = link.chunk_bytes
+        return header, lambda: wire.masked_chunks(masked.vector, chunk_bytes)
 
     def send_masked_evaluation(
         self, link: ControlLink, instruction: pb.Instruction, result: EvalResult

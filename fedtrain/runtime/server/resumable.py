@@ -1,0 +1,247 @@
+"""Uploads kept across broken streams, so that a site resumes where it stopped.
+
+An upload's journal (a plain update's `UpdateSpool`; a masked vector's `MaskedUpload`,
+whose chunks are already in the secure sum) outlives the stream that filled it. When
+the stream breaks, the server keeps the journal for `upload_grace_s` under an id the
+site learned with the go-ahead (`wire.UPLOAD_ID`); the site reopens the upload with
+`UploadHeader.resume_id`, the go-ahead tells it how many bytes the server holds
+(`wire.UPLOAD_OFFSET`), and it sends only the rest. The journal holds whole chunks
+only, so that offset is a chunk boundary: what travels twice is at most the chunk
+that was in flight when the link broke.
+
+The fold is unchanged: a plain update is folded from its journal once whole, in the
+order its chunks arrived, which a resumed stream simply continues, so the aggregate
+is bit for bit that of an unbroken upload. Nothing of an upload that never completes
+touches the sum (a masked vector's partial fold is taken back out, exactly, when it
+is discarded: `SecureRoundState.abandon`).
+
+Only the same session (its token, and with TLS its certificate) may resume an upload,
+in the same round attempt, with the same header, within the grace; a chunk that
+overlaps what the server holds or runs past its tensor is refused by the journal's
+validator like in any upload. Each stream that feeds an upload gets a generation
+number: a stream a resume superseded (its connection still looked open to the
+server) can add nothing once the new one has taken over.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.rounds import UploadRefused
+from fedtrain.runtime.server.sessions import Session
+from fedtrain.runtime.server.uploads import MaskedUpload, UpdateSpool
+from fedtrain.tensors import Chunk
+
+
+class Superseded(Exception):
+    """This stream no longer feeds its upload: a resume took over, or it was discarded."""
+
+
+def header_terms(header: pb.UploadHeader) -> tuple[Any, ...]:
+    """What a resumed upload's header must repeat: everything but the token and id."""
+    return (
+        header.round,
+        header.num_examples,
+        tuple(sorted(header.metrics.items())),
+        header.model_version,
+        header.masked,
+        header.codec or "none",
+    )
+
+
+@dataclass(eq=False)
+class HeldUpload:
+    """One upload and its journal, whichever stream feeds it (see the module doc)."""
+
+    site: str
+    token: str
+    certificate: bytes
+    state: Any  # the RoundState (or BufferedRounds) the upload was admitted to
+    terms: tuple[Any, ...]
+    sink: UpdateSpool | MaskedUpload
+    #: What a plain update counts for (decided once, at its first stream); None: masked.
+    weight: Any = None
+    id: str = field(default_factory=lambda: secrets.token_hex(12))
+    generation: int = 0
+    attached: bool = False
+    #: When its last stream broke off (the grace runs from then); inf until then.
+    broke_at: float = math.inf
+    #: The handler task of the stream that feeds it now (cancelled when superseded).
+    task: Any = None
+    ended: bool = False
+    #: Why it was thrown away ("" while live or once completed).
+    discarded: str = ""
+    #: Bytes of this upload that the site had sent before, in an upload of the same
+    #: attempt the server threw away (they arrive a second time: counted as re-sent).
+    resend: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def offset(self) -> int:
+        """Bytes of the update the server holds, in the order the site sends them."""
+        return self.sink.bytes_received
+
+    def attach(self, task: Any) -> tuple[int, int, Any]:
+        """Let the stream of `task` feed this upload: (its generation, the offset it
+        starts at, the task it superseded or None)."""
+        with self._lock:
+            if self.ended:
+                raise Superseded
+            self.generation += 1
+            old, self.task, self.attached = (self.task if self.attached else None), task, True
+            return self.generation, self.offset, old
+
+    def add(self, generation: int, chunk: Chunk, check: Callable[[], None]) -> int:
+        """Journal one chunk of stream `generation` (after `check()`, under the lock);
+        returns how many of its bytes the site had sent before (`resend`)."""
+        with self._lock:
+            if generation != self.generation or self.ended:
+                raise Superseded
+            check()
+            self.sink.add(chunk)
+            again = min(self.resend, len(chunk.data))
+            self.resend -= again
+            return again
+
+    def detach(self, generation: int) -> bool:
+        """Stream `generation` broke: keep the journal; False if another stream had
+        taken over or the upload ended (the broken stream then just goes away)."""
+        with self._lock:
+            if generation != self.generation or self.ended:
+                return False
+            self.attached, self.task, self.broke_at = False, None, time.monotonic()
+            return True
+
+    def abandoned_before_start(self) -> None:
+        """The site went away while its stream waited for a transfer slot."""
+        with self._lock:
+            if not self.attached:
+                self.broke_at = min(self.broke_at, time.monotonic())
+
+    def complete(self, generation: int, commit: Callable[[], None]) -> None:
+        """The stream ended: `commit()` (finish and fold) the whole upload, once."""
+        with self._lock:
+            if generation != self.generation or self.ended:
+                raise Superseded
+            self.ended = True
+            self.attached, self.task = False, None
+        commit()
+
+    def end(self, reason: str) -> tuple[bool, Any]:
+        """Discard: (whether it was live, the task of the stream feeding it or None)."""
+        with self._lock:
+            if self.ended:
+                return False, None
+            self.ended, self.discarded = True, reason
+            task, self.task, self.attached = self.task, None, False
+            return True, task
+
+
+class HeldUploads:
+    """The uploads in flight or waiting to be resumed, by id and by site (thread-safe)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._by_id: dict[str, HeldUpload] = {}
+        self._by_site: dict[str, HeldUpload] = {}
+        #: Per site, its last discarded upload's attempt and bytes (one entry per site).
+        self._lost: dict[str, tuple[Any, int]] = {}
+
+    def add(self, upload: HeldUpload) -> None:
+        """Register a new upload; bytes of the site's earlier upload in the same attempt
+        that the server threw away will count as re-sent."""
+        with self._lock:
+            lost = self._lost.pop(upload.site, None)
+            if lost is not None and lost[0] is upload.state:
+                upload.resend = lost[1]
+            self._by_id[upload.id] = upload
+            self._by_site[upload.site] = upload
+
+    def lost(self, upload: HeldUpload) -> None:
+        """`upload` was thrown away: what it held may come again (see `add`)."""
+        with self._lock:
+            self._lost[upload.site] = (upload.state, upload.offset)
+
+    def forget(self, upload: HeldUpload) -> None:
+        with self._lock:
+            self._by_id.pop(upload.id, None)
+            if self._by_site.get(upload.site) is upload:
+                del self._by_site[upload.site]
+
+    def of_site(self, site: str) -> HeldUpload | None:
+        with self._lock:
+            return self._by_site.get(site)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def expired(self, now: float | None = None) -> list[tuple[HeldUpload, str]]:
+        """Broken-off uploads to discard: past the grace, or of an attempt that closed
+        (one still streaming is refused at its next chunk)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            uploads = [u for u in self._by_id.values() if not u.attached]
+        out = []
+        for upload in uploads:
+            if upload.state.closed:
+                out.append((upload, "its round closed"))
+            elif now - upload.broke_at > self.grace_s:  # inf - now: never
+                out.append((upload, f"not resumed within upload_grace_s ({self.grace_s:g}s)"))
+        return out
+
+    def claim(
+        self, upload_id: str, session: Session, header: pb.UploadHeader, state: Any
+    ) -> HeldUpload:
+        """The upload `upload_id` for `session` to resume, or UploadRefused saying why not."""
+        where = f"site {session.site!r}, round {header.round}"
+        with self._lock:
+            upload = self._by_id.get(upload_id)
+        if upload is None or upload.ended:
+            raise UploadRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: there is no upload {upload_id[:12]!r} to resume (it completed, or "
+                "was discarded: its grace passed, its round ended or the site was dropped); "
+                "the site must start the upload again",
+            )
+        if (upload.site, upload.token, upload.certificate) != (
+            session.site,
+            session.token,
+            session.certificate,
+        ):
+            raise UploadRefused(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{where}: upload {upload_id[:12]!r} belongs to another session; a site may "
+                "resume only its own upload, on the session that started it",
+            )
+        if upload.state is not state or state.closed or upload.terms[0] != header.round:
+            raise UploadRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: upload {upload_id[:12]!r} belongs to round {upload.terms[0]} "
+                f"(attempt {getattr(upload.state, 'attempt', '?')}), which is no longer open; "
+                "it cannot continue in another round",
+            )
+        if upload.terms != header_terms(header):
+            raise UploadRefused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}: the header of the resumed upload {upload_id[:12]!r} differs from "
+                "its first (num_examples, metrics, model_version, codec and masked must stay "
+                "the same); start a new upload instead",
+            )
+        if not upload.attached and time.monotonic() - upload.broke_at > self.grace_s:
+            raise UploadRefused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{where}: upload {upload_id[:12]!r} broke off more than upload_grace_s "
+                f"({self.grace_s:g}s) ago and is discarded; the site must start it again",
+            )
+        return upload

@@ -1,0 +1,261 @@
+"""A site's link fails mid-upload (`link_proxy.LinkProxy` pauses it: no FIN, no RST).
+
+Within `heartbeat.grace_s` the site stays in its round, rejoins its session when the
+link is back and resumes its upload from the offset the server holds; past the grace
+it is dropped, its upload discarded at once, and the round ends without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from typing import Any
+
+import grpc
+import pytest
+from link_proxy import LinkProxy
+from runtime_support import FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
+
+from fedtrain.config import from_dict
+from fedtrain.runtime.config import SiteConfig
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.audit import read_audit
+from fedtrain.runtime.site.daemon import SiteDaemon
+from fedtrain.task import task_fingerprint
+
+#: A model of ~800 KB, sent in 64 KiB chunks: the link fails well inside its upload.
+FEATURES = 100_000
+CHUNK_BYTES = 64 * 1024
+
+
+def _audit(server: AggregationServer, event: str) -> list[dict[str, Any]]:
+    return [r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == event]
+
+
+def _site(name: str, address: str, task: TinyTask, stop_after: list[Any]) -> SiteDaemon:
+    raw = {
+        "task": "runtime_support:TinyTask",
+        "name": name,
+        "server": address,
+        "reconnect": {"min_s": 0.1, "max_s": 0.5},
+    }
+    daemon = SiteDaemon(
+        from_dict(SiteConfig, raw), insecure=True, task=task, data=task.datasets()[0]
+    )
+    threading.Thread(target=daemon.run, daemon=True).start()
+    stop_after.append(daemon)
+    return daemon
+
+
+def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> AggregationServer:
+    task = TinyTask(features=FEATURES)
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=sites,
+        rounds=1,
+        chunk_bytes=CHUNK_BYTES,
+        heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": grace_s},
+        **extra,
+    )
+    stop_after.append(server)
+    return server
+
+
+def _proxy(server: AggregationServer, stop_after: list[Any]) -> LinkProxy:
+    """A link between sites and `server` that the test can fail."""
+    proxy = LinkProxy(f"127.0.0.1:{server.port}")
+    stop_after.append(proxy)
+    return proxy
+
+
+def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
+    proxy = _proxy(server, stop_after)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)  # join, heartbeats, then half the upload
+    _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    wait_for(lambda: _audit(server, "site_away"), 10, "the server to notice the outage")
+    paused = wait_for(lambda: _audit(server, "upload_paused"), 10, "the upload to be kept")
+    proxy.resume()  # the link is back
+    assert server.wait(60) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == [] and record["clients"] == 1
+    assert {r["site"] for r in _audit(server, "rejoin")} == {"far"}
+    resumed = _audit(server, "upload_resumed")
+    # From where it stopped (a chunk still being journaled when the break was noticed
+    # may add to what the server holds).
+    assert resumed[0]["offset"] >= paused[0]["offset"] > 0
+    # Nothing the server held was sent again (the chunk in flight was never received).
+    assert server.coordinator.transfers.total_in == update_bytes
+    assert not any("grace" in r["reason"] for r in _audit(server, "leave"))  # never dropped
+
+
+def test_a_site_away_past_the_grace_is_dropped_and_its_upload_discarded_at_once(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=2, grace_s=1.0, strategy={"min_fit_clients": 1})
+    proxy = _proxy(server, stop_after)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)
+    far = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    _site("near", f"127.0.0.1:{server.port}", TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    left = wait_for(lambda: _audit(server, "leave"), 20, "the grace to pass")
+    assert left[0]["site"] == "far" and "heartbeat.grace_s" in left[0]["reason"]
+    discarded = _audit(server, "upload_discarded")
+    assert discarded[0]["site"] == "far" and discarded[0]["bytes"] > 0
+    assert len(server.servicer.held) == 0
+    proxy.resume()  # too late: the site joins anew, and its stale upload is not resumed
+    assert server.wait(60) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == ["far"] and record["clients"] == 1
+    assert not _audit(server, "upload_resumed") and not _audit(server, "rejoin")
+    assert far.rounds_trained == 0
+
+
+def _round(server: AggregationServer, number: int) -> dict[str, Any]:
+    lines = (server.run_dir.path / "metrics.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r.get("round") == number)
+
+
+def test_a_masked_upload_resumes_the_same_way_and_every_site_is_unmasked(
+    tmp_path, stop_after
+) -> None:
+    """Secure aggregation: the masked vector's chunks already in the secure sum stay
+    there while the site is away; it sends the rest, and all three are included."""
+    task = TinyTask(features=20_000)
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=3,
+        rounds=1,
+        chunk_bytes=16 * 1024,
+        round_timeout_s=120.0,
+        secagg={"enabled": True, "clip": 4.0, "bits": 28, "max_clients": 8, "max_weight": 1e3},
+        heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": 30.0},
+    )
+    stop_after.append(server)
+    proxy = _proxy(server, stop_after)
+    masked_bytes = server.coordinator.global_model.state.nbytes + 4  # int32 per value + weight
+    proxy.pause_after_up(masked_bytes // 2)  # the secagg stages are a few KB before it
+    for name, address in (("a", None), ("b", None), ("far", proxy.address)):
+        _site(name, address or f"127.0.0.1:{server.port}", TinyTask(features=20_000), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    paused = wait_for(lambda: _audit(server, "upload_paused"), 10, "the upload to be kept")
+    proxy.resume()
+    assert server.wait(90) and server.coordinator.error is None
+    unmasked = _audit(server, "secagg_unmasked")[0]
+    assert unmasked["included"] == ["a", "b", "far"] and unmasked["dropped"] == []
+    assert _audit(server, "upload_resumed")[0]["offset"] >= paused[0]["offset"] > 0
+    assert _round(server, 1)["dropped"] == []
+
+
+def test_a_site_that_rejoins_its_session_is_told_its_round_again_and_not_dropped(
+    tmp_path, stop_after
+) -> None:
+    """The instruction may have gone into the dead connection: a rejoined site that still
+    owes its update gets it again, byte for byte (the daemon ignores a repeat). Another
+    site cannot take the session over with its token."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 1.0, "grace_s": 20.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    away = FakeSite(server.port, "alpha", fp)  # sends no heartbeat: silent, then away
+    stop_after.append(away)
+    first = away.expect("instruction").instruction
+    wait_for(lambda: _audit(server, "site_away"), 10, "the silent site to be kept away")
+    assert away.inbox.get(timeout=10) is None  # its old stream was ended
+    rogue = FakeSite(server.port, "mallory", fp, resume_token=away.token)
+    stop_after.append(rogue)
+    assert not rogue.welcome.resumed and rogue.token != away.token
+    assert _audit(server, "rejoin_refused")[0]["cause"] == "other_session"
+    back = FakeSite(server.port, "alpha", fp, resume_token=away.token)
+    stop_after.append(back)
+    assert back.welcome.resumed and back.token == away.token
+    again = back.expect("instruction").instruction
+    assert again.SerializeToString() == first.SerializeToString()
+    delta = server.coordinator.global_model.state.clone()
+    back.upload(
+        [back.header(1, model_version=first.model_version), *chunk_messages(delta.chunks(16))]
+    )
+    assert server.wait(20) and server.coordinator.error is None
+    assert _round(server, 1)["dropped"] == [] and _round(server, 1)["clients"] == 1
+    assert [r["site"] for r in _audit(server, "rejoin")] == ["alpha"]
+
+
+def test_a_download_broken_off_continues_from_the_bytes_the_site_holds(
+    tmp_path, stop_after
+) -> None:
+    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0)
+    proxy = _proxy(server, stop_after)
+    model_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_down(model_bytes // 2)  # welcome, instruction, then half the model
+    site = _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-download")
+    wait_for(lambda: _audit(server, "site_away"), 10, "the server to notice the outage")
+    # The old connection is gone (else the rest of the model, already in the sockets'
+    # buffers, would simply arrive).
+    proxy.resume(drop_connections=True)
+    assert server.wait(60) and server.coordinator.error is None
+    resumed = _audit(server, "download_resumed")
+    assert resumed and 0 < resumed[0]["offset"] < model_bytes
+    sizes = [len(c.data) for c in server.coordinator.global_model.state.chunks(CHUNK_BYTES)]
+    assert resumed[0]["offset"] in itertools.accumulate(sizes)  # whole chunks only
+    assert site.downloads == 1 and _round(server, 1)["dropped"] == []
+    # What was sent again is what the dead link swallowed, not the part the site held.
+    assert server.coordinator.transfers.total_out < 2 * model_bytes
+
+
+def test_a_download_from_an_offset_sends_only_the_chunks_after_it(tmp_path, stop_after) -> None:
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, rounds=1)
+    stop_after.append(server)
+    site = FakeSite(server.port, "alpha", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    _, everything = site.download(version)
+    request = pb.ModelRequest(version=version, session_token=site.token, offset=3 * 16)
+    rest = list(site.stub.DownloadModel(request))
+    assert rest[0].WhichOneof("kind") == "manifest"
+    assert [p.chunk for p in rest[1:]] == everything[3:]
+    for offset in (3 * 16 + 4, 10**9):  # inside a chunk; past the model
+        bad = pb.ModelRequest(version=version, session_token=site.token, offset=offset)
+        with pytest.raises(grpc.RpcError) as info:
+            list(site.stub.DownloadModel(bad))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, stop_after) -> None:
+    """The server may not have noticed the outage yet when the site comes back on a new
+    connection: the rejoin ends the old stream, and its end does not drop the session."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 20.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    old = FakeSite(server.port, "alpha", fp)
+    stop_after.append(old)
+    first = old.expect("instruction").instruction
+    new = FakeSite(server.port, "alpha", fp, resume_token=old.token)
+    stop_after.append(new)
+    assert new.welcome.resumed and new.token == old.token
+    assert old.inbox.get(timeout=10) is None  # the old stream was ended by the server
+    again = new.expect("instruction").instruction
+    assert again.SerializeToString() == first.SerializeToString()
+    session = server.registry.get("alpha")
+    assert session is not None and session.detached_at is None and not session.closed
+    delta = server.coordinator.global_model.state.clone()
+    new.upload(
+        [new.header(1, model_version=first.model_version), *chunk_messages(delta.chunks(16))]
+    )
+    assert server.wait(20) and server.coordinator.error is None
+    assert _round(server, 1)["dropped"] == [] and not _audit(server, "site_away")
