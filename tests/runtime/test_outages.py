@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import queue
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -22,7 +24,7 @@ from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
-from fedtrain.runtime.site.daemon import SiteDaemon
+from fedtrain.runtime.site.daemon import Link, SiteDaemon
 from fedtrain.task import task_fingerprint
 
 #: A model of ~800 KB, sent in 64 KiB chunks: the link fails well inside its upload.
@@ -259,3 +261,26 @@ def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, s
     )
     assert server.wait(20) and server.coordinator.error is None
     assert _round(server, 1)["dropped"] == [] and not _audit(server, "site_away")
+
+
+def test_a_retry_that_meets_the_channel_the_broken_session_closed_waits_for_the_rejoin() -> None:
+    """Measured on the emulated WAN (60 s cut mid-upload): the upload broke (sendmsg
+    timed out) before the control stream noticed; the retry then met the channel the
+    control stream's end had just closed (grpc's ValueError) and the round failed at the
+    site instead of continuing on the rejoined session."""
+    daemon = SiteDaemon.__new__(SiteDaemon)
+    daemon._stop = threading.Event()
+    link = Link(None, "token", "run", 1, queue.SimpleQueue())  # type: ignore[arg-type]
+    link.up.set()
+    tries: list[int] = []
+
+    def transfer() -> str:
+        tries.append(1)
+        if len(tries) == 1:  # the control stream broke meanwhile; the rejoin follows
+            link.up.clear()
+            threading.Timer(0.3, link.up.set).start()
+            raise ValueError("Cannot invoke RPC: Channel closed!")
+        return "received"
+
+    assert daemon._through_outages(link, time.time() + 30, "upload", transfer) == "received"
+    assert len(tries) == 2

@@ -87,6 +87,17 @@ CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
 #: gRPC codes of a transfer whose stream or link failed (not refused): it is resumed
 #: once the session's link is up again, until the round's deadline.
 BROKEN_LINK = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
+def _link_broke(exc: Exception) -> bool:
+    """A transfer failed because the link did: a broken stream, or the session's channel
+    closed under it (a transfer can break before the control stream notices; the retry
+    then meets the channel the control stream's end closed: grpc's ValueError)."""
+    if isinstance(exc, grpc.RpcError):
+        return exc.code() in BROKEN_LINK
+    return isinstance(exc, ValueError) and "channel closed" in str(exc).lower()
+
+
 #: Pause before a broken transfer is tried again on a link that looks up.
 RESUME_PAUSE_S = 0.5
 #: How long a stopping daemon waits for a job in flight to notice. A round training in
@@ -795,8 +806,8 @@ class SiteDaemon:
                     received += len(chunk.data)
                     yield chunk
                 return
-            except grpc.RpcError as exc:
-                if not deadline_unix or exc.code() not in BROKEN_LINK:
+            except (grpc.RpcError, ValueError) as exc:
+                if not deadline_unix or not _link_broke(exc):
                     raise
                 if not self._await_link(link, deadline_unix):
                     raise
@@ -816,13 +827,13 @@ class SiteDaemon:
         while True:
             try:
                 return transfer()
-            except grpc.RpcError as exc:
-                if exc.code() not in BROKEN_LINK or not self._await_link(link, deadline_unix):
+            except (grpc.RpcError, ValueError) as exc:
+                if not _link_broke(exc) or not self._await_link(link, deadline_unix):
                     raise
                 log.warning(
                     "the %s broke off (%s); continuing it on the rejoined session",
                     what,
-                    rpc.describe_rpc_error(exc),
+                    rpc.describe_rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc,
                 )
 
     def _await_link(self, link: Link, deadline_unix: float) -> bool:
