@@ -15,26 +15,14 @@ import re
 from pathlib import Path
 
 import pytest
-from runtime_support import Deployment, wait_for
+from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data
+from runtime_support import Deployment
 
-from fedtrain.runtime.demo import HELD_OUT_LINE, fedtrain_command
+from fedtrain.runtime.demo import HELD_OUT_LINE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SITES = ("hospital-a", "hospital-b", "hospital-c")
-TASK = "runtime_support:HeldOutTask"
 HELD_OUT = re.compile(r"held-out set \((\d+) examples\): loss ([0-9.]+) \{'accuracy': ([0-9.]+)\}")
-
-
-def site_data(i: int) -> dict:
-    """Part i of a quantity-skewed split (different sizes), a fifth of it held out."""
-    return {
-        "kind": "quantity",
-        "alpha": 1.0,
-        "partition": i,
-        "num_partitions": len(SITES),
-        "eval_fraction": 0.2,
-    }
 
 
 def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_fail_it(
@@ -49,25 +37,9 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
         strategy={"min_fit_clients": 2, "min_available_clients": 3},
         client={"epochs": 2, "batch_size": 16, "lr": 0.1},
     ) as dep:
-        dep.start_server()
-        for i, name in enumerate(SITES[:2]):
-            dep.start_site(name, data=site_data(i))
-        slow = SITES[2]
-        dep.start_site(
-            slow,
-            data=site_data(2),
-            task_options={"eval_marker": str(marker), "eval_delay_s": 60.0},
-        )
-        wait_for(marker.exists, 120, f"{slow} to start evaluating round 1")
-        dep.proc(slow).kill()  # SIGKILL mid-evaluation
-        dep.proc(slow).wait(10)
-        again = dep.site_toml(slow, data=site_data(2))  # started again, as systemd would
-        dep.start_command(
-            f"{slow}-again", fedtrain_command("client", "--config", str(again), "--insecure")
-        )
-        assert dep.wait_server(150) == 0, dep.log("server")
-        logs = {name: dep.log(name) for name in (*SITES[:2], f"{slow}-again")}
+        logs = kill_one_mid_evaluation(dep, marker)
         dep.close()
+    slow = SITES[2]
 
     metrics = dep.metrics()
     assert [r["round"] for r in metrics] == [1, 2, 3]

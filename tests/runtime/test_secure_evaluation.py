@@ -13,31 +13,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from runtime_support import Deployment, wait_for
+from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data
+from runtime_support import Deployment
 
 from fedtrain.config import from_dict
 from fedtrain.runtime.config import SecAggServerSettings
-from fedtrain.runtime.demo import HELD_OUT_LINE, fedtrain_command
+from fedtrain.runtime.demo import HELD_OUT_LINE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-SITES = ("hospital-a", "hospital-b", "hospital-c")
-TASK = "runtime_support:HeldOutTask"
 SECAGG = {"enabled": True, "clip": 4.0, "max_clients": 8, "max_weight": 1000.0}
-
-
-def site_data(i: int) -> dict[str, Any]:
-    """Part i of a quantity-skewed split (different sizes), a fifth of it held out."""
-    return {
-        "kind": "quantity",
-        "alpha": 1.0,
-        "partition": i,
-        "num_partitions": len(SITES),
-        "eval_fraction": 0.2,
-    }
 
 
 def measured(log: str) -> dict[str, tuple[int, float, float]]:
@@ -111,25 +98,9 @@ def test_a_site_killed_during_a_secure_evaluation_is_a_dropout_not_a_failure(tmp
         strategy={"min_fit_clients": 2, "min_available_clients": 3},
         client={"epochs": 1, "batch_size": 16, "lr": 0.1},
     ) as dep:
-        dep.start_server()
-        for i, name in enumerate(SITES[:2]):
-            dep.start_site(name, data=site_data(i))
-        slow = SITES[2]
-        dep.start_site(
-            slow,
-            data=site_data(2),
-            task_options={"eval_marker": str(marker), "eval_delay_s": 60.0},
-        )
-        wait_for(marker.exists, 120, f"{slow} to start evaluating round 1")
-        dep.proc(slow).kill()  # SIGKILL mid-evaluation
-        dep.proc(slow).wait(10)
-        again = dep.site_toml(slow, data=site_data(2))  # started again, as systemd would
-        dep.start_command(
-            f"{slow}-again", fedtrain_command("client", "--config", str(again), "--insecure")
-        )
-        assert dep.wait_server(150) == 0, dep.log("server")
-        logs = {name: dep.log(name) for name in SITES[:2]}
+        logs = kill_one_mid_evaluation(dep, marker)
         dep.close()
+    slow = SITES[2]
 
     metrics = dep.metrics()
     assert [r["round"] for r in metrics] == [1, 2]
