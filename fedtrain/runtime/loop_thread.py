@@ -37,18 +37,17 @@ class LoopThread:
     def stop(self, last: Coroutine[Any, Any, Any] | None = None, timeout: float = 10.0) -> None:
         """Run `last` (e.g. a server's graceful stop) within `timeout`, then stop the loop,
         join its thread and close it (idempotent)."""
-        if self._stopped:
-            if last is not None:
-                last.close()
+        stopping, self._stopped = not self._stopped, True
+        if last is not None:
+            if stopping and self._thread.is_alive():
+                try:
+                    self.run(last, timeout)
+                except Exception as exc:  # pragma: no cover - a handler stuck past the grace
+                    log.warning("%s did not stop cleanly: %s", self._thread.name, exc)
+            else:
+                last.close()  # never run: no "coroutine was never awaited" warning
+        if not stopping:
             return
-        self._stopped = True
-        if last is not None and self._thread.is_alive():
-            try:
-                self.run(last, timeout)
-            except Exception as exc:  # pragma: no cover - a handler stuck past the grace
-                log.warning("%s did not stop cleanly: %s", self._thread.name, exc)
-        elif last is not None:
-            last.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self._thread.is_alive():
             self._thread.join(timeout)
