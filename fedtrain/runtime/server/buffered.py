@@ -43,6 +43,7 @@ import grpc
 import numpy as np
 
 from fedtrain.errors import ConfigError
+from fedtrain.round_record import RoundRecord
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.global_model import GlobalModel
@@ -180,16 +181,25 @@ class BufferedRounds:
                 self.closed = True
             else:
                 self._assign_idle()  # the sites that waited for this version
-        record: dict[str, Any] = {
-            "round": version,
-            "clients": filling.buffer.count,
-            "contributors": filling.contributors,
-            "dropped": filling.dropped,
-            "failed": filling.failed,
-            **self.strategy.round_metrics(),
-            **coordinator.transfer_metrics(),
-            **self.strategy.aggregate_metrics(filling.results),
-        }
+        round_metrics = self.strategy.round_metrics()
+        record = RoundRecord(
+            round=version,
+            # every job that ended while the buffer filled: counted, stale, dropped, failed
+            selected=len(filling.contributors)
+            + int(round_metrics.get("stale_dropped", 0))
+            + len(filling.dropped)
+            + len(filling.failed),
+            contributors=filling.contributors,
+            ordered=True,
+            dropped=filling.dropped,
+            failed=filling.failed,
+            aggregated=True,
+            measurements={
+                **round_metrics,
+                **coordinator.transfer_metrics(),
+                **self.strategy.aggregate_metrics(filling.results),
+            },
+        ).to_json()
         coordinator.record_round(
             record,
             filling.started,
