@@ -250,6 +250,4 @@ def readme_table() -> str:
         for key, spec in FIELDS.items()
     ]
     families = [f"| `{keys}` | | {meaning} | |" for keys, meaning in FAMILIES.items()]
-    return "\n".join(
-        ["| key | type | meaning | drivers |", "|---|---|---|---|", *rows, *families]
-    )
+    return "\n".join(["| key | type | meaning | drivers |", "|---|---|---|---|", *rows, *families])
