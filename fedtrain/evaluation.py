@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedtrain.errors import ConfigError
+from fedtrain.round_record import worst_first
 from fedtrain.secagg.evaluation import EvalTotals
 from fedtrain.task import EvalResult
 
@@ -244,8 +245,5 @@ def secure_record(
 def worst_site(results: Mapping[str, EvalResult]) -> str | None:
     """The site where the model does worst: lowest accuracy, or highest loss when the
     task reports no accuracy (ties: the first name)."""
-    if not results:
-        return None
-    if all("accuracy" in r.metrics for r in results.values()):
-        return min(sorted(results), key=lambda s: results[s].metrics["accuracy"])
-    return max(sorted(results), key=lambda s: results[s].loss)
+    ranked = worst_first({site: eval_metrics(r) for site, r in results.items()})
+    return ranked[0] if ranked else None

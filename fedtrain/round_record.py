@@ -30,8 +30,9 @@ from typing import Any, NamedTuple
 #: Written in every record; records without it predate this definition (`upgrade`).
 RECORD_VERSION = 2
 
-DEPLOYMENT, FEDBUFF, SIMULATION, ASYNC_SIM = "runtime", "FedBuff", "simulation", "async sim"
-ALL_DRIVERS = (DEPLOYMENT, FEDBUFF, SIMULATION, ASYNC_SIM)
+#: The drivers: the runtime's rounds, FedBuff in a deployment, the simulation's
+#: rounds, the simulation's asynchronous (FedBuff) loop.
+ALL_DRIVERS = ("runtime", "FedBuff", "simulation", "async sim")
 
 
 class Field(NamedTuple):
@@ -113,28 +114,43 @@ FIELDS: dict[str, Field] = {
     ),
 }
 
-#: The open families of keys (see the module docstring), for the README.
-FAMILIES: dict[str, str] = {
+#: The open families of keys (see the module docstring) -> (meaning, drivers), for the
+#: README.
+FAMILIES: dict[str, tuple[str, str]] = {
     "eval_source, eval_examples, eval_sites, eval_missing, eval_secure, eval_<metric>": (
-        "Where and on how many examples/sites the model was evaluated; sites asked that "
-        "did not answer; other aggregated evaluation metrics (`fedtrain.evaluation`)."
+        "Where (`server` or `sites`) and on how many examples and sites the model was "
+        "evaluated, the sites asked that did not answer, other aggregated evaluation "
+        "metrics (`fedtrain.evaluation`; open to new metrics).",
+        "all (federated: runtime, simulation)",
     ),
     "site_metrics, worst_site, worst_accuracy, worst_loss, site_spread": (
-        "Federated evaluation, per site: each site's figures, the worst site, and the "
-        "spread (best minus worst accuracy, or worst minus best loss). Absent with "
-        "`site_metrics = false` and always under secure aggregation."
+        "Federated evaluation, per site: each site's figures (site -> metric -> value), "
+        "the worst site and its figures, the spread (best minus worst accuracy, or worst "
+        "minus best loss). Absent with `site_metrics = false` and always under secure "
+        "aggregation.",
+        "runtime, simulation",
     ),
-    "bytes, bytes_in, bytes_out, bytes_in_*": (
-        "Deployment: tensor bytes received (uploads) and sent (downloads) this round."
+    "bytes, bytes_in, bytes_out, bytes_in_accepted, bytes_in_discarded, bytes_in_resent": (
+        "Tensor bytes received (uploads) and sent (downloads) since the last record.",
+        "runtime, FedBuff",
     ),
-    "bytes, bytes_up, bytes_down": ("Simulation: the bytes the same round would move on a wire."),
-    "train_*, stale_*, staleness_*, ...": (
-        "The strategy's `aggregate_metrics` (training metrics, weighted) and `round_metrics`."
+    "bytes, bytes_up, bytes_down": (
+        "The bytes the same round would move on a wire.",
+        "simulation (async sim: `bytes`)",
     ),
-    "epsilon, delta": "DP accountant after this round.",
-    "secagg_*": "Secure aggregation's round figures (sites, stage dropouts, clipping).",
-    "client_updates, sim_time": "Asynchronous simulation: updates folded so far, virtual clock.",
-    "clients_per_s, train_seconds": "Simulation: training throughput of the round.",
+    "train_*, stale_dropped, staleness_*, server_lr, ...": (
+        "The strategy's `aggregate_metrics` (clients' training metrics, weighted) and "
+        "`round_metrics`.",
+        "all",
+    ),
+    "epsilon, delta": ("The DP accountant after this round.", "all (with DP)"),
+    "secagg_*, error": (
+        "Secure aggregation's figures (sites, stage dropouts, clipping); why an unmasked "
+        "sum was unusable.",
+        "runtime, simulation",
+    ),
+    "train_seconds, clients_per_s": ("Training throughput of the round.", "simulation"),
+    "client_updates, sim_time": ("Updates folded so far; the virtual clock.", "async sim"),
 }
 
 
@@ -249,5 +265,16 @@ def readme_table() -> str:
         f"{'all' if spec.drivers == ALL_DRIVERS else ', '.join(spec.drivers)} |"
         for key, spec in FIELDS.items()
     ]
-    families = [f"| `{keys}` | | {meaning} | |" for keys, meaning in FAMILIES.items()]
+    families = [
+        f"| `{keys}` | | {meaning} | {drivers} |" for keys, (meaning, drivers) in FAMILIES.items()
+    ]
     return "\n".join(["| key | type | meaning | drivers |", "|---|---|---|---|", *rows, *families])
+
+
+def worst_first(site_metrics: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """Sites from worst to best as `worst_site` ranks them: by accuracy (lowest first)
+    when every site reports one, else by loss (highest first); ties by name."""
+    names = sorted(site_metrics)
+    if all("accuracy" in site_metrics[s] for s in names):
+        return sorted(names, key=lambda s: site_metrics[s]["accuracy"])
+    return sorted(names, key=lambda s: -site_metrics[s]["loss"])

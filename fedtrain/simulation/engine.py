@@ -68,6 +68,7 @@ def run_simulation(
     with observing(
         config.run_dir,
         tensorboard=config.tensorboard,
+        tensorboard_sites=config.tensorboard_sites,
         tracking=config.tracking,
         params=dataclasses.asdict(config),
         tags=lambda: {

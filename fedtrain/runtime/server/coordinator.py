@@ -177,6 +177,8 @@ class Coordinator:
         self.links = LinkEstimates()
         self._plain_uploads = config.compression.build().name == "none"
         self.last_metrics: dict[str, Any] = {}
+        #: The last record with an evaluation (`fedtrain status`: worst site, spread).
+        self.last_evaluation: dict[str, Any] = {}
         self.finished = threading.Event()
         self.checkpoints = CheckpointWriter(run_dir, audit)
         self.error: BaseException | None = None
@@ -309,6 +311,8 @@ class Coordinator:
         self._checkpoint_extra = extra
         log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
         self.last_metrics = settle_run_record(self.run_dir, self.audit, done, extra)
+        if self.last_metrics.get("eval_source"):
+            self.last_evaluation = self.last_metrics
         return GlobalModel(done, str(extra["model_version"]), state), str(extra["run_id"])
 
     def _bind_eval_model(self, state: ModelState) -> None:
@@ -837,6 +841,8 @@ class Coordinator:
         self.run_dir.log_metrics(record)
         fault_point("metrics_logged", server_round)
         self.last_metrics = record
+        if record.get("eval_source"):
+            self.last_evaluation = record
         self.audit.record(
             "round_completed", round=server_round, model_version=model.version, **audit
         )
