@@ -174,6 +174,30 @@ class RoundRecord:
     ordered: bool = False
     measurements: Mapping[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def buffered(
+        cls,
+        version: int,
+        contributors: Sequence[str],
+        dropped: Sequence[str],
+        failed: Sequence[str],
+        measurements: Mapping[str, Any],
+    ) -> RoundRecord:
+        """FedBuff's record of one version (both drivers): the model always changes, the
+        contributors stay in fold order, and `selected` is every job that ended while
+        the buffer filled: counted, too stale (`stale_dropped`), dropped or failed."""
+        stale = int(measurements.get("stale_dropped", 0))
+        return cls(
+            round=version,
+            selected=len(contributors) + stale + len(dropped) + len(failed),
+            contributors=contributors,
+            ordered=True,
+            dropped=dropped,
+            failed=failed,
+            aggregated=True,
+            measurements=measurements,
+        )
+
     def to_json(self) -> dict[str, Any]:
         """The record as a metrics line, not yet evaluated (`loss`/`accuracy` null) and
         without `seconds` (`finished` sets it)."""

@@ -297,16 +297,12 @@ def version_record(strategy: Strategy, clients: VirtualClients, updates: int) ->
     """The metrics line of the version just made ("round" = model version)."""
     interval = clients.interval
     nbytes = clients.models[clients.version].nbytes
-    return RoundRecord(
-        round=clients.version,
-        # every job that ended while the buffer filled: counted, stale, rejected, dropped
-        selected=interval.arrivals + len(interval.dropped),
-        contributors=interval.contributors,
-        ordered=True,
-        dropped=interval.dropped,
-        failed=interval.rejected,
-        aggregated=True,
-        measurements={
+    return RoundRecord.buffered(
+        clients.version,
+        interval.contributors,
+        interval.dropped,
+        interval.rejected,
+        {
             "client_updates": updates,
             "sim_time": clients.clock,
             # what would cross the wire: a download per job started, an upload per arrival

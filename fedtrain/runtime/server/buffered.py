@@ -181,21 +181,13 @@ class BufferedRounds:
                 self.closed = True
             else:
                 self._assign_idle()  # the sites that waited for this version
-        round_metrics = self.strategy.round_metrics()
-        record = RoundRecord(
-            round=version,
-            # every job that ended while the buffer filled: counted, stale, dropped, failed
-            selected=len(filling.contributors)
-            + int(round_metrics.get("stale_dropped", 0))
-            + len(filling.dropped)
-            + len(filling.failed),
-            contributors=filling.contributors,
-            ordered=True,
-            dropped=filling.dropped,
-            failed=filling.failed,
-            aggregated=True,
-            measurements={
-                **round_metrics,
+        record = RoundRecord.buffered(
+            version,
+            filling.contributors,
+            filling.dropped,
+            filling.failed,
+            {
+                **self.strategy.round_metrics(),
                 **coordinator.transfer_metrics(),
                 **self.strategy.aggregate_metrics(filling.results),
             },
