@@ -23,9 +23,12 @@ Torch-free on purpose: `fedtrain report` reads records without loading torch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
 
 #: Written in every record; records without it predate this definition (`upgrade`).
 RECORD_VERSION = 2
@@ -154,6 +157,15 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+#: Evaluation's keys: only an evaluation writes them, never a measurement (a site
+#: could otherwise make a round look evaluated, or name a worst site).
+EVALUATION_KEYS = frozenset({"site_metrics", "worst_site", "worst_accuracy", "worst_loss"})
+
+
+def _reserved(key: str) -> bool:
+    return key in FIELDS or key in EVALUATION_KEYS or key.startswith(("eval_", "site_"))
+
+
 def _names(names: Sequence[str]) -> list[str]:
     return sorted(str(n) for n in names)
 
@@ -201,12 +213,6 @@ class RoundRecord:
     def to_json(self) -> dict[str, Any]:
         """The record as a metrics line, not yet evaluated (`loss`/`accuracy` null) and
         without `seconds` (`finished` sets it)."""
-        clash = sorted(set(self.measurements) & set(FIELDS))
-        if clash:
-            raise ValueError(
-                f"round {self.round}: measurement(s) {', '.join(clash)} would overwrite the "
-                "record's own keys (fedtrain.round_record.FIELDS); rename them"
-            )
         contributors = [str(c) for c in self.contributors]
         record: dict[str, Any] = {
             "record_version": RECORD_VERSION,
@@ -221,9 +227,31 @@ class RoundRecord:
             "aggregated": bool(self.aggregated),
             "loss": None,
             "accuracy": None,
-            **self.measurements,
         }
+        record.update((k, v) for k, v in self.measurements.items() if not _reserved(k))
+        for key in sorted(k for k in self.measurements if _reserved(k)):
+            renamed = _renamed(key, record, self.round)
+            if renamed is not None:
+                record[renamed] = self.measurements[key]
         return record
+
+
+def _renamed(key: str, record: Mapping[str, Any], server_round: int) -> str | None:
+    """Where a measurement named like a fixed or an evaluation key goes. The record's
+    keys always win (a site chooses its metrics' names: one called `round`, `clients`
+    or `worst_site` must not rewrite the record); such a measurement (e.g. a client's training metric called `loss`) is
+    kept as `train_<key>`, or left out (None) when that is taken too."""
+    renamed = f"train_{key}"
+    if renamed in record:
+        log.warning("round %d: measurement %r names a record key: left out", server_round, key)
+        return None
+    log.warning(
+        "round %d: measurement %r names a key of the record; written as %r",
+        server_round,
+        key,
+        renamed,
+    )
+    return renamed
 
 
 def finished(record: dict[str, Any], seconds: float) -> dict[str, Any]:

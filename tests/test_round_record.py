@@ -48,9 +48,20 @@ def test_fedbuff_keeps_its_fold_order_and_repeats():
     assert record["contributors"] == ["b", "a", "b"] and record["clients"] == 3
 
 
-def test_a_measurement_cannot_overwrite_a_fixed_key():
-    with pytest.raises(ValueError, match=r"round 3: measurement.*dropped"):
-        RoundRecord(3, 1, [], [], [], True, measurements={"dropped": 2}).to_json()
+def test_a_measurement_named_like_a_fixed_key_never_rewrites_the_record(caplog):
+    """A site names its own metrics: `clients` or `round` from a site must not change
+    what the record says, nor stop the round."""
+    measured = {"round": 99.0, "clients": 1e9, "accuracy": 0.5, "bytes": 10, "eval_source": 1.0}
+    record = RoundRecord(3, 1, ["a"], [], [], True, measurements=measured).to_json()
+    assert (record["round"], record["clients"], record["accuracy"]) == (3, 1, None)
+    assert (record["train_round"], record["train_clients"]) == (99.0, 1e9)
+    assert record["train_accuracy"] == 0.5 and record["bytes"] == 10
+    assert "eval_source" not in record  # a site cannot make the round look evaluated
+    assert "measurement 'clients' names a key of the record" in caplog.text
+    taken = {"loss": 0.1, "train_loss": 0.2}
+    record = RoundRecord(3, 1, [], [], [], True, measurements=taken).to_json()
+    assert record["train_loss"] == 0.2 and record["loss"] is None
+    check_record(finished(record, 1.0))
 
 
 @pytest.mark.parametrize(
