@@ -239,8 +239,9 @@ class RoundRecord:
 def _renamed(key: str, record: Mapping[str, Any], server_round: int) -> str | None:
     """Where a measurement named like a fixed or an evaluation key goes. The record's
     keys always win (a site chooses its metrics' names: one called `round`, `clients`
-    or `worst_site` must not rewrite the record); such a measurement (e.g. a client's training metric called `loss`) is
-    kept as `train_<key>`, or left out (None) when that is taken too."""
+    or `worst_site` must not rewrite the record); such a measurement (e.g. a client's
+    training metric called `loss`) is kept as `train_<key>`, or left out (None) when
+    that is taken too."""
     renamed = f"train_{key}"
     if renamed in record:
         log.warning("round %d: measurement %r names a record key: left out", server_round, key)
