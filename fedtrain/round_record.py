@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
@@ -101,16 +102,16 @@ FIELDS: dict[str, Field] = {
         "secure sum was unusable.",
     ),
     "seconds": Field(
-        (int, float), "float", "Wall time of the round, from its start to after evaluation."
+        (Real,), "float", "Wall time of the round, from its start to after evaluation."
     ),
     "loss": Field(
-        (int, float, type(None)),
+        (Real, type(None)),
         "float | null",
         "The global model's loss when evaluated this round (`eval_source` says where); "
         "null when not evaluated.",
     ),
     "accuracy": Field(
-        (int, float, type(None)),
+        (Real, type(None)),
         "float | null",
         "The global model's accuracy when evaluated this round (federated: "
         "example-weighted mean over the sites); null when not evaluated.",

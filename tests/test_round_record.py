@@ -151,3 +151,11 @@ def test_the_asynchronous_simulation_writes_the_same_record(tmp_path):
         assert record["selected"] == 3 + stale + len(record["dropped"]) + len(record["failed"])
     assert any(record["dropped"] for record in history)
     assert [r["accuracy"] is not None for r in history] == [False, True, True]
+
+
+def test_a_tasks_numpy_loss_is_a_number_like_any_other():
+    import numpy as np
+
+    record = _record()
+    record["loss"], record["accuracy"] = np.float32(0.25), np.float64(0.75)
+    check_record(record)
