@@ -168,7 +168,6 @@ def test_under_secure_evaluation_status_names_no_site(secure):
 
 
 def test_tensorboard_writes_the_worst_site_and_opt_in_per_site_scalars(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     history = _run(tmp_path, "tb", tensorboard=True, tensorboard_sites=True)
