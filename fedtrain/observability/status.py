@@ -95,11 +95,12 @@ class ServerState:
 
 
 def numbers(record: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers of a metrics record: what a Status reply carries of it."""
+    """The numbers of a metrics record: what a Status reply carries of it (not the
+    record's format version, which says nothing about the run)."""
     return {
         k: float(v)
         for k, v in record.items()
-        if isinstance(v, int | float) and not isinstance(v, bool)
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "record_version"
     }
 
 
