@@ -3,7 +3,8 @@
     python -m fedtrain.docgen            # rewrite README.md's reference tables in place
 
 The config tables come from the config dataclasses, the Prometheus table from
-`fedtrain.observability.metrics.METRICS`. Each table sits between
+`fedtrain.observability.metrics.METRICS`, the metrics record's from
+`fedtrain.round_record.FIELDS`. Each table sits between
 `<!-- reference:NAME:start -->` and `<!-- reference:NAME:end -->`; a test fails when a
 table differs from what the code says.
 """
@@ -26,7 +27,7 @@ SECTIONS: dict[str, str] = {
 
 HEADER = ["| key | type | default | meaning |", "|---|---|---|---|"]
 #: Every generated table's marker name: the config sections, then the metrics.
-TABLES = (*SECTIONS, "metrics")
+TABLES = (*SECTIONS, "metrics", "round-record")
 
 
 def metrics_table() -> str:
@@ -39,6 +40,10 @@ def metrics_table() -> str:
 def table(name: str) -> str:
     if name == "metrics":
         return metrics_table()
+    if name == "round-record":
+        from fedtrain.round_record import readme_table
+
+        return readme_table()
     module, _, cls = SECTIONS[name].partition(":")
     return "\n".join(HEADER + reference(getattr(importlib.import_module(module), cls)))
 

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedtrain.errors import ConfigError
+from fedtrain.round_record import worst_first
 from fedtrain.secagg.evaluation import EvalTotals
 from fedtrain.task import EvalResult
 
@@ -82,6 +83,23 @@ EVALUATE_CAPABILITY = "evaluate"
 def evaluation_due(server_round: int, every: int, last_round: int) -> bool:
     """Whether round `server_round` is evaluated: every `every` rounds and the last."""
     return server_round % every == 0 or server_round == last_round
+
+
+def evaluation_now(
+    server_round: int,
+    every: int,
+    last_round: int,
+    where: Literal["server", "sites", "off"],
+    has_test_set: bool,
+) -> Literal["server", "sites"] | None:
+    """Where the model of `server_round` is evaluated, None when not this round: the
+    one cadence of every driver (`eval_every` and the last round), with `where` as
+    `where_to_evaluate` resolved it (a server evaluation needs the test set loaded)."""
+    if where == "off" or not evaluation_due(server_round, every, last_round):
+        return None
+    if where == "server":
+        return "server" if has_test_set else None
+    return "sites"
 
 
 def where_to_evaluate(setting: str, has_test_set: bool) -> Literal["server", "sites", "off"]:
@@ -153,7 +171,18 @@ def federated_record(
         record["worst_site"] = worst
         record["worst_accuracy"] = results[worst].metrics.get("accuracy")
         record["worst_loss"] = results[worst].loss
+        record["site_spread"] = site_spread(results)
     return record
+
+
+def site_spread(results: Mapping[str, EvalResult]) -> float:
+    """How far apart the sites are, on the figure `worst_site` ranks by: best minus
+    worst accuracy, or worst minus best loss when the task reports no accuracy."""
+    if all("accuracy" in r.metrics for r in results.values()):
+        values = [float(r.metrics["accuracy"]) for r in results.values()]
+    else:
+        values = [float(r.loss) for r in results.values()]
+    return max(values) - min(values)
 
 
 def check_cross_site(enabled: bool, local_models: bool, secagg: bool) -> None:
@@ -216,8 +245,5 @@ def secure_record(
 def worst_site(results: Mapping[str, EvalResult]) -> str | None:
     """The site where the model does worst: lowest accuracy, or highest loss when the
     task reports no accuracy (ties: the first name)."""
-    if not results:
-        return None
-    if all("accuracy" in r.metrics for r in results.values()):
-        return min(sorted(results), key=lambda s: results[s].metrics["accuracy"])
-    return max(sorted(results), key=lambda s: results[s].loss)
+    ranked = worst_first({site: eval_metrics(r) for site, r in results.items()})
+    return ranked[0] if ranked else None

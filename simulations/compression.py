@@ -43,7 +43,7 @@ def main() -> None:
             continue
         result, seconds = run(raw, name, args.keep)
         last = result.history[-1]
-        per_client = last["bytes_up"] / last["reported"]
+        per_client = last["bytes_up"] / (last["clients"] + len(last["failed"]))  # arrived
         dense = dense or per_client
         label = f"{codec} {', '.join(f'{k} {v:g}' for k, v in options.items())}".strip()
         print(

@@ -7,7 +7,15 @@ Three sources feed them, so the round loop needs no Prometheus code of its own:
 - the audit log's records, which every admission decision and round outcome passes
   through: uploads accepted, rejected and aborted, refused joins and requests,
   dropouts, failed sites and failed round attempts;
-- each completed round's metrics record: its duration, the evaluated accuracy and loss.
+- each completed round's metrics record: its duration, the evaluated accuracy and loss,
+  and, after a plain federated evaluation, where the model does worst.
+
+Per-site evaluation gauges stay bounded whatever the federation's size: only the
+`SITE_GAUGES` worst sites of the last evaluation get a series (10,000 sites never
+make 10,000 series; a site leaves the set once it is no longer among the worst), plus
+the worst site and the spread. They come from the record's `site_metrics`, so the
+privacy opt-out (`site_metrics = false`) and secure evaluation (the server never
+learns a site's figures) leave them out too.
 
 Each server gets its own `CollectorRegistry` (never the process-global one), so tests
 and several servers in one process never clash. `METRICS` lists every name, for the
@@ -28,11 +36,15 @@ from prometheus_client.registry import Collector
 
 from fedtrain.errors import ConfigError
 from fedtrain.observability.status import PHASES, ServerState
+from fedtrain.round_record import worst_first
 
 log = logging.getLogger(__name__)
 
 #: Round durations range from a fraction of a second (tests) to hours (large models).
 ROUND_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200)
+
+#: Per-site evaluation series exported: the worst sites of the last evaluation.
+SITE_GAUGES = 10
 
 #: Every metric the server exports (Prometheus name -> meaning).
 METRICS: dict[str, str] = {
@@ -54,6 +66,22 @@ METRICS: dict[str, str] = {
     "fedtrain_round_duration_seconds": "Duration of completed rounds (histogram).",
     "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation (if any).",
     "fedtrain_eval_loss": "Loss of the global model at its last evaluation (if any).",
+    "fedtrain_eval_sites": "Sites counted in the last federated evaluation.",
+    "fedtrain_eval_worst_site_accuracy": (
+        "Accuracy at the worst site (label site) of the last federated evaluation. Not "
+        "under secure evaluation nor with site_metrics = false."
+    ),
+    "fedtrain_eval_site_spread": (
+        "Best minus worst site's accuracy (or worst minus best loss) at the last "
+        "federated evaluation; same conditions."
+    ),
+    "fedtrain_site_eval_accuracy": (
+        f"Accuracy at each of the {SITE_GAUGES} worst sites (label site) of the last "
+        f"federated evaluation: at most {SITE_GAUGES} series; same conditions."
+    ),
+    "fedtrain_site_eval_loss": (
+        f"Loss at each of the {SITE_GAUGES} worst sites (label site); same conditions."
+    ),
     "fedtrain_uploads_accepted_total": "Updates received whole and aggregated.",
     "fedtrain_uploads_rejected_total": "Uploads refused (label code: gRPC status sent).",
     "fedtrain_uploads_aborted_total": "Uploads whose stream broke off midway.",
@@ -97,7 +125,11 @@ class ServerMetrics:
         )
         #: The last evaluation (metric name -> value); absent until there was one.
         self.evaluation: dict[str, float] = {}
-        self.registry.register(LiveCollector(state, transfers, lambda: self.evaluation))
+        #: The last evaluation's worst sites, worst first (see `SITE_GAUGES`).
+        self.sites: SiteFigures = ()
+        self.registry.register(
+            LiveCollector(state, transfers, lambda: self.evaluation, lambda: self.sites)
+        )
 
     # -- feeds --------------------------------------------------------------------------
     def on_audit(self, event: str, fields: Mapping[str, Any]) -> None:
@@ -125,12 +157,16 @@ class ServerMetrics:
         if record.get("seconds") is not None:
             self.round_seconds.observe(float(record["seconds"]))
         evaluated = {
-            f"fedtrain_eval_{key}": float(record[key])
-            for key in ("accuracy", "loss")
-            if record.get(key) is not None
+            f"fedtrain_eval_{key}": float(record[source])
+            for key, source in _EVALUATION.items()
+            if record.get(source) is not None
         }
         if evaluated:  # replaced whole: a scrape on another thread never sees it change
-            self.evaluation = {**self.evaluation, **evaluated}
+            sites = worst_sites(record)
+            evaluation = {**self.evaluation, **evaluated}
+            if not sites:  # none this time: no per-site figure of an earlier one lingers
+                evaluation.pop("fedtrain_eval_site_spread", None)
+            self.evaluation, self.sites = evaluation, sites
 
     # -- the endpoint --------------------------------------------------------------------
     def serve(self, address: str, port: int) -> int:
@@ -159,6 +195,27 @@ class ServerMetrics:
             self._thread = None
 
 
+#: Prometheus name (after `fedtrain_eval_`) -> the record's key.
+_EVALUATION = {
+    "accuracy": "accuracy",
+    "loss": "loss",
+    "sites": "eval_sites",
+    "site_spread": "site_spread",
+}
+
+#: (site, accuracy or None, loss or None), worst first.
+SiteFigures = tuple[tuple[str, float | None, float | None], ...]
+
+
+def worst_sites(record: Mapping[str, Any], limit: int = SITE_GAUGES) -> SiteFigures:
+    """The record's `limit` worst sites with their figures (none without `site_metrics`)."""
+    figures = record.get("site_metrics") or {}
+    return tuple(
+        (site, figures[site].get("accuracy"), figures[site].get("loss"))
+        for site in worst_first(figures)[:limit]
+    )
+
+
 class LiveCollector(Collector):
     """What is true right now, read from the server at each scrape."""
 
@@ -167,10 +224,12 @@ class LiveCollector(Collector):
         state: Callable[[], ServerState],
         transfers: Callable[[], tuple[int, int]],
         evaluation: Callable[[], Mapping[str, float]],
+        sites: Callable[[], SiteFigures] = lambda: (),
     ) -> None:
         self._state = state
         self._transfers = transfers
         self._evaluation = evaluation
+        self._sites = sites
 
     def describe(self) -> list[Metric]:
         return []  # generated at scrape time; nothing to pre-register
@@ -195,6 +254,7 @@ class LiveCollector(Collector):
             yield GaugeMetricFamily(name, METRICS[name], value=value)
         for name, value in self._evaluation().items():  # none before the first evaluation
             yield GaugeMetricFamily(name, METRICS[name], value=value)
+        yield from self._site_evaluation()
         seen = GaugeMetricFamily(
             "fedtrain_site_last_seen_seconds",
             METRICS["fedtrain_site_last_seen_seconds"],
@@ -221,3 +281,26 @@ class LiveCollector(Collector):
             ("fedtrain_sent_bytes_total", sent),
         ):
             yield CounterMetricFamily(name.removesuffix("_total"), METRICS[name], value=value)
+
+    def _site_evaluation(self) -> Iterator[Metric]:
+        """The worst sites of the last evaluation (none under secure evaluation)."""
+        sites = self._sites()
+        if not sites:
+            return
+        site, accuracy, _ = sites[0]
+        if accuracy is not None:
+            worst = GaugeMetricFamily(
+                "fedtrain_eval_worst_site_accuracy",
+                METRICS["fedtrain_eval_worst_site_accuracy"],
+                labels=["site"],
+            )
+            worst.add_metric([site], accuracy)
+            yield worst
+        for key, index in (("accuracy", 1), ("loss", 2)):
+            name = f"fedtrain_site_eval_{key}"
+            family = GaugeMetricFamily(name, METRICS[name], labels=["site"])
+            for figures in sites:
+                value = figures[index]
+                if value is not None:
+                    family.add_metric([figures[0]], value)
+            yield family

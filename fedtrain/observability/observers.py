@@ -48,6 +48,7 @@ def observing(
     run_dir: str | Path,
     *,
     tensorboard: bool = False,
+    tensorboard_sites: bool = False,
     tracking: TrackingConfig | None = None,
     params: Mapping[str, Any] | None = None,
     tags: Callable[[], Mapping[str, str]] | None = None,
@@ -57,7 +58,7 @@ def observing(
     """The run's observers; `tags` is called only when MLflow is on (a task fingerprint
     costs a model build); `resume`: continue the MLflow run this run dir logged to."""
     observers: list[RoundObserver] = []
-    writer = TensorBoardWriter(run_dir) if tensorboard else None
+    writer = TensorBoardWriter(run_dir, sites=tensorboard_sites) if tensorboard else None
     if writer is not None:
         observers.append(writer)
     tracker = None

@@ -25,6 +25,7 @@ from typing import Any
 
 from fedtrain.errors import ConfigError
 from fedtrain.files import read_jsonl
+from fedtrain.round_record import site_count, upgrade
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ def write_report(run_path: str | Path) -> Path:
     run = Path(run_path)
     if not run.is_dir():
         raise ConfigError(f"{run_path} is not a run directory")
-    metrics = read_jsonl(run / METRICS).records
+    metrics = [upgrade(m) for m in read_jsonl(run / METRICS).records]  # any record's age
     if not metrics:
         raise ConfigError(
             f"{run / METRICS} is missing or empty: is {run} a fedtrain run directory?"
@@ -260,6 +261,23 @@ def write_report(run_path: str | Path) -> Path:
     return page
 
 
+#: The rounds table's columns (`fedtrain.round_record` says what each means).
+_COLUMNS = (
+    "round",
+    "accuracy",
+    "loss",
+    "worst_accuracy",
+    "selected",
+    "clients",
+    "dropped",
+    "failed",
+    "bytes",
+    "bytes_up",
+    "seconds",
+    "epsilon",
+)
+
+
 def _html(
     run_path: Path, metrics: Sequence[dict[str, Any]], config: dict[str, Any], plots: list[Path]
 ) -> str:
@@ -282,21 +300,21 @@ def _html(
         facts["final accuracy"] += f" ({how}: {final.get('eval_sites', '?')} sites)"
         if final.get("worst_accuracy") is not None:
             facts["worst site"] = f"{final['worst_site']}: accuracy {final['worst_accuracy']:.4f}"
+            if final.get("site_spread") is not None:
+                facts["worst site"] += f" (spread across sites {final['site_spread']:.4f})"
     if last.get("epsilon") is not None:
         facts["privacy"] = f"epsilon {last['epsilon']:.3f} at delta {last.get('delta', '?')}"
-    columns = [
-        k
-        for k in ("round", "accuracy", "loss", "clients", "bytes", "bytes_up", "seconds", "epsilon")
-        if any(k in m for m in metrics)
-    ]
+    columns = [k for k in _COLUMNS if any(k in m for m in metrics)]
     esc = html.escape
 
-    def cell(value: Any) -> str:
+    def cell(record: dict[str, Any], key: str) -> str:
+        value = record.get(key, "")
+        if key in ("dropped", "failed"):  # names today, a count in old simulation lines
+            value = site_count(value)
         return f"{value:.4g}" if isinstance(value, float) else esc(str(value))
 
     rows = "\n".join(
-        "<tr>" + "".join(f"<td>{cell(m.get(k, ''))}</td>" for k in columns) + "</tr>"
-        for m in metrics
+        "<tr>" + "".join(f"<td>{cell(m, k)}</td>" for k in columns) + "</tr>" for m in metrics
     )
     fact_rows = "\n".join(
         f"<tr><th>{esc(k)}</th><td>{esc(str(v))}</td></tr>" for k, v in facts.items()

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -38,12 +39,22 @@ class SiteState:
     #: The site's link as the server measured it (bytes/s; None until measured).
     down_bps: float | None = None
     up_bps: float | None = None
+    #: Its figures at the last plain federated evaluation (None: not evaluated there,
+    #: secure evaluation, or `site_metrics = false`).
+    eval_accuracy: float | None = None
+    eval_loss: float | None = None
 
     def link(self) -> str:
         """ "down 12.3 / up 4.5 Mbit/s", or "" before any transfer was measured."""
         if self.down_bps is None and self.up_bps is None:
             return ""
         return f"down {_mbit(self.down_bps)} / up {_mbit(self.up_bps)} Mbit/s"
+
+    def evaluation(self) -> str:
+        """ "accuracy 0.9312" (else "loss 0.2100"), or "" when it has no figure."""
+        if self.eval_accuracy is not None:
+            return f"accuracy {self.eval_accuracy:.4f}"
+        return "" if self.eval_loss is None else f"loss {self.eval_loss:.4f}"
 
 
 def _mbit(bps: float | None) -> str:
@@ -69,6 +80,11 @@ class ServerState:
     last_metrics: Mapping[str, float] = field(default_factory=dict)
     #: Sites connected; `sites` may list only a page of them (large federations).
     connected_sites: int = 0
+    #: The numbers of the last evaluated round's record (`round`, `accuracy`, `loss`,
+    #: `eval_sites`, `worst_accuracy`, `site_spread`, ...); empty before one.
+    last_evaluation: Mapping[str, float] = field(default_factory=dict)
+    #: The worst site of the last plain federated evaluation ("" otherwise).
+    worst_site: str = ""
 
     @property
     def connected(self) -> int:
@@ -76,6 +92,23 @@ class ServerState:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def numbers(record: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers of a metrics record: what a Status reply carries of it (not the
+    record's format version, which says nothing about the run)."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and k != "record_version"
+    }
+
+
+def site_figures(record: Mapping[str, Any], site: str) -> tuple[float | None, float | None]:
+    """(accuracy, loss) of `site` in an evaluated record's `site_metrics` (None, None
+    when it has none: not asked, secure evaluation, or the privacy opt-out)."""
+    figures = (record.get("site_metrics") or {}).get(site) or {}
+    return figures.get("accuracy"), figures.get("loss")
 
 
 def _round_line(state: ServerState) -> str:
@@ -97,6 +130,25 @@ def _summary(state: ServerState) -> list[tuple[str, str]]:
     ]
 
 
+def evaluation_line(state: ServerState) -> str:
+    """The last evaluation in one line: the mean, the worst site and its figure, the
+    spread; "" before the first. No site is named under secure evaluation."""
+    ev = state.last_evaluation
+    if not ev:
+        return ""
+    figures = [f"{key} {ev[key]:.4f}" for key in ("accuracy", "loss") if key in ev]
+    if figures and "eval_sites" in ev:
+        secure = ", secure" if state.secagg else ""
+        figures[0] += f" (federated{secure}: {_value(ev['eval_sites'])} sites)"
+    parts = [f"round {_value(ev.get('round', 0))}", *figures]
+    if state.worst_site:
+        worst = [f"{k[6:]} {ev[k]:.4f}" for k in ("worst_accuracy", "worst_loss") if k in ev]
+        parts.append(f"worst site {state.worst_site}: {worst[0]}" if worst else state.worst_site)
+    if "site_spread" in ev:
+        parts.append(f"spread {ev['site_spread']:.4f}")
+    return ", ".join(parts)
+
+
 def _sites_line(state: ServerState) -> str:
     line = f"{state.connected} connected, {state.min_sites} needed to start a round"
     if len(state.sites) < state.connected:
@@ -111,11 +163,14 @@ def _value(value: float) -> str:
 def render_text(state: ServerState) -> str:
     """Plain lines: for logs, pipes and scripts that grep."""
     lines = [f"{key}: {value}" for key, value in _summary(state)]
+    if evaluation_line(state):
+        lines.append(f"last evaluation: {evaluation_line(state)}")
     for site in state.sites:
         link = f", link {site.link()}" if site.link() else ""
+        evaluated = f", evaluated {site.evaluation()}" if site.evaluation() else ""
         lines.append(
             f"site {site.name}: connected {site.connected_for_s:.0f}s, last heard "
-            f"{site.last_heartbeat_age_s:.1f}s ago{link}"
+            f"{site.last_heartbeat_age_s:.1f}s ago{link}{evaluated}"
         )
     if state.last_metrics:
         done = _value(state.last_metrics.get("round", state.rounds_completed))
@@ -133,17 +188,21 @@ def render_rich(state: ServerState, console: Console) -> None:
     overview.add_column()
     for key, value in _summary(state):
         overview.add_row(key, value)
+    if evaluation_line(state):
+        overview.add_row("last evaluation", evaluation_line(state))
     sites = Table(title="connected sites", title_justify="left")
     sites.add_column("site")
     sites.add_column("connected for", justify="right")
     sites.add_column("last heard", justify="right")
     sites.add_column("link (measured)", justify="right")
+    sites.add_column("last evaluation", justify="right")
     for site in state.sites:
         sites.add_row(
             site.name,
             f"{site.connected_for_s:.0f} s",
             f"{site.last_heartbeat_age_s:.1f} s ago",
             site.link() or "-",
+            site.evaluation() or "-",
         )
     parts: list[Table] = [overview, sites]
     if state.last_metrics:

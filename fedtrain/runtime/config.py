@@ -25,7 +25,7 @@ from fedtrain.evaluation import (
     check_cross_site,
 )
 from fedtrain.observability.mlflow_tracking import TrackingConfig
-from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.observability.tensorboard import TENSORBOARD_DOC, TENSORBOARD_SITES_DOC
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
@@ -253,6 +253,7 @@ class ServerConfig:
         "server's host answer in milliseconds however busy the rounds keep the main port.",
     )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
+    tensorboard_sites: bool = option(False, TENSORBOARD_SITES_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")
     client: dict[str, Any] = option(

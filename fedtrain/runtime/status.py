@@ -59,11 +59,15 @@ def to_proto(state: ServerState) -> pb.StatusReply:
                 last_heartbeat_age_s=s.last_heartbeat_age_s,
                 down_bps=s.down_bps or 0.0,
                 up_bps=s.up_bps or 0.0,
+                eval_accuracy=s.eval_accuracy,
+                eval_loss=s.eval_loss,
             )
             for s in state.sites
         ],
         last_metrics=dict(state.last_metrics),
         connected_sites=state.connected,
+        last_evaluation=dict(state.last_evaluation),
+        worst_site=state.worst_site,
     )
 
 
@@ -87,11 +91,15 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
                 s.last_heartbeat_age_s,
                 s.down_bps or None,  # 0: not measured
                 s.up_bps or None,
+                s.eval_accuracy if s.HasField("eval_accuracy") else None,
+                s.eval_loss if s.HasField("eval_loss") else None,
             )
             for s in reply.sites
         ),
         last_metrics=dict(reply.last_metrics),
         connected_sites=reply.connected_sites,
+        last_evaluation=dict(reply.last_evaluation),
+        worst_site=reply.worst_site,
     )
 
 

@@ -31,7 +31,8 @@ import numpy as np
 from fedtrain.compression.downlink import SiteModels
 from fedtrain.compression.settings import DownloadSettings
 from fedtrain.errors import ConfigError, SimulationError, UpdateRejected
-from fedtrain.evaluation import evaluation_due, server_record
+from fedtrain.evaluation import evaluation_now, server_record
+from fedtrain.round_record import RoundRecord, finished
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
@@ -78,8 +79,9 @@ class Interval:
     trained: int = 0
     downloads: int = 0  # jobs started: each fetches the model
     arrivals: int = 0  # updates that reached the server (buffered, stale or rejected)
-    dropped: int = 0
-    rejected: int = 0
+    contributors: list[str] = field(default_factory=list)  # in fold order
+    dropped: list[str] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
     results: list[tuple[int, dict[str, float]]] = field(default_factory=list)
 
 
@@ -187,7 +189,7 @@ class VirtualClients:
 def fold(buffer: StalenessBuffer, job: Job, interval: Interval) -> bool:
     """Fold an arrived job's update into the buffer; False if dropped, stale or rejected."""
     if job.dropped:
-        interval.dropped += 1
+        interval.dropped.append(job.client_id)
         return False
     result = job.result
     assert result is not None
@@ -200,9 +202,10 @@ def fold(buffer: StalenessBuffer, job: Job, interval: Interval) -> bool:
     except StaleUpdate:
         return False  # counted by the buffer, reported in the version's metrics
     except UpdateRejected as exc:
-        interval.rejected += 1
+        interval.rejected.append(job.client_id)
         log.warning("update of %s (job %d) rejected: %s", job.client_id, job.number, exc)
         return False
+    interval.contributors.append(job.client_id)
     interval.results.append((result.num_examples, result.metrics))
     return True
 
@@ -260,18 +263,17 @@ def run_buffered(
             if strategy.buffer_full(buffer):
                 global_state = strategy.finalize_round(version, global_state, buffer)
                 clients.publish(version, global_state)
-                record = version_record(config, strategy, buffer.count, clients, updates)
-                if (
-                    where == "server"
-                    and prepared.test is not None
-                    and evaluation_due(version, config.eval_every, config.rounds)
-                ):
+                record = version_record(strategy, clients, updates)
+                due = evaluation_now(
+                    version, config.eval_every, config.rounds, where, prepared.test is not None
+                )
+                if due == "server" and prepared.test is not None:
                     record.update(
                         server_record(
                             evaluate(task, prepared.model, global_state, prepared.test, config)
                         )
                     )
-                record["seconds"] = time.perf_counter() - clients.interval.started
+                finished(record, time.perf_counter() - clients.interval.started)
                 clients.interval = Interval()
                 arrivals_since_version = 0
                 prepared.run_dir.log_metrics(record)
@@ -291,33 +293,25 @@ def run_buffered(
     return result
 
 
-def version_record(
-    config: SimConfig,
-    strategy: Strategy,
-    buffered: int,
-    clients: VirtualClients,
-    updates: int,
-) -> dict[str, Any]:
+def version_record(strategy: Strategy, clients: VirtualClients, updates: int) -> dict[str, Any]:
     """The metrics line of the version just made ("round" = model version)."""
     interval = clients.interval
     nbytes = clients.models[clients.version].nbytes
-    return {
-        "round": clients.version,
-        "clients": buffered,
-        "reported": interval.arrivals,
-        "dropped": interval.dropped,
-        "rejected": interval.rejected,
-        "aggregated": True,
-        "client_updates": updates,
-        "sim_time": clients.clock,
-        # what would cross the wire: a download per job started, an upload per arrival
-        "bytes": nbytes * (interval.downloads + interval.arrivals),
-        "train_seconds": interval.train_seconds,
-        "clients_per_s": (
-            interval.trained / interval.train_seconds if interval.train_seconds > 0 else None
-        ),
-        **strategy.aggregate_metrics(interval.results),
-        **strategy.round_metrics(),
-        "loss": None,
-        "accuracy": None,
-    }
+    return RoundRecord.buffered(
+        clients.version,
+        interval.contributors,
+        interval.dropped,
+        interval.rejected,
+        {
+            "client_updates": updates,
+            "sim_time": clients.clock,
+            # what would cross the wire: a download per job started, an upload per arrival
+            "bytes": nbytes * (interval.downloads + interval.arrivals),
+            "train_seconds": interval.train_seconds,
+            "clients_per_s": (
+                interval.trained / interval.train_seconds if interval.train_seconds > 0 else None
+            ),
+            **strategy.aggregate_metrics(interval.results),
+            **strategy.round_metrics(),
+        },
+    ).to_json()

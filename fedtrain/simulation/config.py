@@ -16,7 +16,7 @@ from fedtrain.evaluation import (
     check_cross_site,
 )
 from fedtrain.observability.mlflow_tracking import TrackingConfig
-from fedtrain.observability.tensorboard import TENSORBOARD_DOC
+from fedtrain.observability.tensorboard import TENSORBOARD_DOC, TENSORBOARD_SITES_DOC
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.strategy import Schedule, Strategy, build_strategy
 from fedtrain.strategy.schedule import check_schedules
@@ -202,6 +202,7 @@ class SimConfig:
     site_metrics: bool = option(True, SITE_METRICS_DOC)
     cross_site_validation: bool = option(False, CROSS_SITE_DOC)
     tensorboard: bool = option(False, TENSORBOARD_DOC)
+    tensorboard_sites: bool = option(False, TENSORBOARD_SITES_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
     partition: PartitionConfig = section(PartitionConfig, "How data is split.")
     strategy: StrategyConfig = section(StrategyConfig, "The server algorithm.")

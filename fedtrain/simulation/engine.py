@@ -20,8 +20,9 @@ from torch.utils.data import Dataset
 
 from fedtrain.compression.downlink import SiteModels
 from fedtrain.compression.settings import DownloadSettings
-from fedtrain.evaluation import CROSS_SITE_FILE, evaluation_due, server_record
+from fedtrain.evaluation import CROSS_SITE_FILE, evaluation_now, server_record
 from fedtrain.observability.observers import observing
+from fedtrain.round_record import RoundRecord, finished
 from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
@@ -67,6 +68,7 @@ def run_simulation(
     with observing(
         config.run_dir,
         tensorboard=config.tensorboard,
+        tensorboard_sites=config.tensorboard_sites,
         tracking=config.tracking,
         params=dataclasses.asdict(config),
         tags=lambda: {
@@ -127,24 +129,25 @@ def _run_rounds(
                 backend, strategy, plan, global_state, on_progress, secure, (sites, published)
             )
             published = server_round if record["aggregated"] else published
-            record["loss"], record["accuracy"] = None, None
-            if evaluation_due(server_round, config.eval_every, config.rounds):
-                if where == "server" and test is not None:
-                    record.update(server_record(evaluate(task, model, global_state, test, config)))
-                elif where == "sites":
-                    record.update(
-                        evaluate_clients(
-                            backend,
-                            strategy,
-                            population,
-                            server_round,
-                            sites.model(str(published), global_state),  # as sites decode it
-                            eval_rng,
-                            per_site=config.site_metrics,
-                            secure=secure,
-                        )
+            due = evaluation_now(
+                server_round, config.eval_every, config.rounds, where, test is not None
+            )
+            if due == "server" and test is not None:
+                record.update(server_record(evaluate(task, model, global_state, test, config)))
+            elif due == "sites":
+                record.update(
+                    evaluate_clients(
+                        backend,
+                        strategy,
+                        population,
+                        server_round,
+                        sites.model(str(published), global_state),  # as sites decode it
+                        eval_rng,
+                        per_site=config.site_metrics,
+                        secure=secure,
                     )
-            record["seconds"] = time.perf_counter() - start
+                )
+            finished(record, time.perf_counter() - start)
             run_dir.log_metrics(record)
             result.history.append(record)
             on_round(record)
@@ -216,23 +219,33 @@ def train_round(
     # what would cross the wire: a download per chosen client that does not hold the
     # model yet (encoded, with a download codec), an upload (encoded, with a codec) per
     # update that arrived
-    record: dict[str, Any] = {
-        "round": plan.server_round,
-        "clients": len(plan.selected),
-        "reported": reported,
-        "dropped": len(plan.dropped),
-        "rejected": len(fold.rejected),
-        "aggregated": aggregated,
-        "bytes": bytes_down + fold.upload_bytes,
-        "bytes_down": bytes_down,
-        "bytes_up": fold.upload_bytes,
-        "train_seconds": train_seconds,
-        "clients_per_s": training / train_seconds if train_seconds > 0 else None,
-        **strategy.aggregate_metrics(fold.train_metrics()),
-        **(strategy.round_metrics() if aggregated else {}),
-        **secagg,
-    }
+    # as in a deployment, a client the secure protocol left out (a stage dropout) dropped
+    left_out = [] if "secagg_error" in secagg else plan_left_out(plan, fold)
+    record = RoundRecord(
+        round=plan.server_round,
+        selected=len(plan.selected),
+        contributors=list(fold.results),
+        dropped=[*plan.dropped, *left_out],
+        failed=list(fold.rejected),
+        aggregated=aggregated,
+        measurements={
+            "bytes": bytes_down + fold.upload_bytes,
+            "bytes_down": bytes_down,
+            "bytes_up": fold.upload_bytes,
+            "train_seconds": train_seconds,
+            "clients_per_s": training / train_seconds if train_seconds > 0 else None,
+            **strategy.aggregate_metrics(fold.train_metrics()),
+            **(strategy.round_metrics() if aggregated else {}),
+            **secagg,
+        },
+    ).to_json()
     return global_state, record
+
+
+def plan_left_out(plan: RoundPlan, fold: RoundFold) -> list[str]:
+    """Clients that trained but are neither counted nor refused: a secure round's stage
+    dropouts."""
+    return [c for c in plan.training if c not in fold.results and c not in fold.rejected]
 
 
 def clients_hold_out(

@@ -38,7 +38,7 @@ def test_the_quickstart_style_app_runs_from_the_example_config(tmp_path, monkeyp
     result = run_simulation(from_dict(SimConfig, raw))
     history = result.history
     assert [r["round"] for r in history] == [1, 2, 3, 4, 5]
-    assert all(r["reported"] == 4 and r["train_loss"] > 0 for r in history)
+    assert all(r["clients"] == 4 and r["train_loss"] > 0 for r in history)
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert history[-1]["accuracy"] > 0.7  # every partition's @app.evaluate(), weighted
     assert history[-1]["loss"] < history[0]["loss"]

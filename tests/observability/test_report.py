@@ -112,3 +112,27 @@ def test_report_of_a_federated_evaluation_names_the_worst_site_and_plots_each_on
     data = (tmp_path / "run" / "report" / "site_accuracy.png").read_bytes()
     assert data.startswith(PNG) and len(data) > 5_000
     assert 'src="site_accuracy.png"' in text
+
+
+def test_a_run_directory_written_before_the_one_record_still_renders(tmp_path):
+    """Old simulation lines said `clients` for the clients *selected* and counted
+    `dropped`; old deployment lines named them. Both render in today's meanings,
+    beside a line of today's format."""
+    old_sim = {"round": 1, "clients": 20, "reported": 15, "dropped": 5, "rejected": 0}
+    old_deployment = {"round": 2, "clients": 2, "selected": 3, "dropped": ["c"], "failed": []}
+    new = {
+        **{"record_version": 2, "round": 3, "attempts": 1, "selected": 3, "clients": 3},
+        **{"contributors": ["a", "b", "c"], "dropped": [], "failed": [], "skipped": []},
+        **{"aggregated": True, "seconds": 0.5, "loss": 0.3, "accuracy": 0.9},
+    }
+    lines = [{**line, "bytes": 10, "seconds": 0.5} for line in (old_sim, old_deployment)]
+    rows = [json.dumps(line) for line in (*lines, new)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows))
+    text = write_report(tmp_path).read_text()
+    header = "<tr><th>round</th><th>accuracy</th><th>loss</th><th>selected</th><th>clients</th>"
+    assert header + "<th>dropped</th><th>failed</th>" in text
+    # round 1: 20 selected, 15 counted, 5 dropped (a count: the names were never written)
+    assert "<td>1</td><td></td><td></td><td>20</td><td>15</td><td>5</td><td>0</td>" in text
+    assert "<td>2</td><td></td><td></td><td>3</td><td>2</td><td>1</td><td>0</td>" in text
+    assert "<td>3</td><td>0.9</td><td>0.3</td><td>3</td><td>3</td><td>0</td><td>0</td>" in text
+    assert "<th>final accuracy</th><td>0.9000</td>" in text

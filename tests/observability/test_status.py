@@ -58,6 +58,8 @@ def test_rich_tables_and_json_carry_the_same_state():
         "last_heartbeat_age_s": 1.25,
         "down_bps": None,
         "up_bps": None,
+        "eval_accuracy": None,
+        "eval_loss": None,
     }
 
 

@@ -45,3 +45,12 @@ def kill_one_mid_evaluation(dep: Deployment, marker: Path) -> dict[str, str]:
     )
     assert dep.wait_server(150) == 0, dep.log("server")
     return {name: dep.log(name) for name in (*SITES, f"{slow}-again")}
+
+
+def tensorboard_tags(run_dir: Path) -> dict[str, list[str]]:
+    """The tags the server wrote under RUN_DIR/tensorboard (`tensorboard = true`)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return events.Tags()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from runtime_support import Deployment, wait_for
 
+from fedtrain.round_record import check_record
 from fedtrain.run_dir import load_state
 from fedtrain.runtime import tls
 from fedtrain.tensor_file import load_tensor_file
@@ -122,6 +123,10 @@ def test_site_killed_mid_round_is_a_dropout(tmp_path: Path) -> None:
     assert sorted(metrics) == [1, 2, 3, 4]
     assert metrics[killed_in]["dropped"] == ["c"]
     assert metrics[killed_in]["clients"] == 2
+    for record in metrics.values():  # the one definition every driver writes
+        check_record(record)
+    assert metrics[killed_in]["selected"] == 3
+    assert metrics[killed_in]["contributors"] == ["a", "b"] and metrics[killed_in]["failed"] == []
     assert metrics[killed_in]["attempts"] == 1  # finished with the survivors, no retry
     assert all(metrics[r]["clients"] == 2 for r in range(killed_in + 1, 5))
     assert f"dropped out of round {killed_in}" in dep.log("server")

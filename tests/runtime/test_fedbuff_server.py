@@ -20,6 +20,7 @@ from test_servicer import _audit, _download, _refused
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
+from fedtrain.round_record import check_record
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -124,6 +125,10 @@ def test_staleness_weights_refusals_and_retained_versions(tmp_path, stop_after) 
     assert [r["staleness_max"] for r in metrics] == [0, 1, 1, 1]
     assert metrics[1]["staleness_weight_mean"] == pytest.approx(1 / math.sqrt(2))
     assert [r["stale_dropped"] for r in metrics] == [0, 0, 0, 1]
+    for r in metrics:  # the one definition every driver writes
+        check_record(r)
+        assert r["clients"] == 2 and r["aggregated"]
+        assert r["selected"] == 2 + r["stale_dropped"] + len(r["dropped"]) + len(r["failed"])
     audit = _audit(server)
     buffered = [r for r in audit if r["event"] == "update_buffered"]
     assert [(r["site"], r["staleness"]) for r in buffered[:4]] == [
@@ -167,7 +172,8 @@ def test_overdue_and_departed_sites_are_dropouts_and_the_rest_carry_on(
     upload(x, x_next, 0.1, 10)
     assert server.wait(20) and server.coordinator.error is None
     last = json.loads((server.run_dir.path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["round"] == 2 and sorted(last["dropped"]) == ["x", "y"]
+    assert last["round"] == 2 and last["dropped"] == ["x", "y"]
+    check_record(last)
     expired = [r for r in _audit(server) if r["event"] == "job_expired"]
     assert [(r["site"], r["job"]) for r in expired] == [("x", x_job.round)]
 

@@ -15,9 +15,10 @@ import re
 from pathlib import Path
 
 import pytest
-from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data
+from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data, tensorboard_tags
 from runtime_support import Deployment
 
+from fedtrain.round_record import check_record
 from fedtrain.runtime.demo import HELD_OUT_LINE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -36,6 +37,8 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
         rounds=3,
         strategy={"min_fit_clients": 2, "min_available_clients": 3},
         client={"epochs": 2, "batch_size": 16, "lr": 0.1},
+        tensorboard=True,
+        tensorboard_sites=True,
     ) as dep:
         logs = kill_one_mid_evaluation(dep, marker)
         dep.close()
@@ -57,12 +60,19 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
         assert record["loss"] == pytest.approx(mean_loss, abs=1e-12)
         worst = min(sites, key=lambda s: sites[s]["accuracy"])
         assert record["worst_accuracy"] == sites[worst]["accuracy"]
+        spread = max(s["accuracy"] for s in sites.values()) - sites[worst]["accuracy"]
+        assert record["site_spread"] == pytest.approx(spread)
+        check_record(record)
     assert metrics[0]["eval_missing"] == [slow]
     assert metrics[0]["eval_sites"] == 2
     assert all(r["eval_missing"] == [] for r in metrics[1:])
     sizes = {s["examples"] for s in metrics[-1]["site_metrics"].values()}
     assert len(sizes) > 1  # different local data: the weighting matters
     assert metrics[-1]["accuracy"] > 0.8
+    tags = tensorboard_tags(dep.run_dir)
+    assert {"eval/worst_accuracy", "eval/site_spread"} <= set(tags["scalars"])
+    assert {f"sites/{s}/accuracy" for s in SITES} <= set(tags["scalars"])
+    assert "eval/worst_site/text_summary" in tags["tensors"]
 
     # what each site measured (its own log) is what the server recorded for it
     for name, log in (("hospital-a", logs["hospital-a"]), (slow, logs[f"{slow}-again"])):

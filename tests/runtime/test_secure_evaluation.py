@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data
+from held_out_sites import SITES, TASK, kill_one_mid_evaluation, site_data, tensorboard_tags
 from runtime_support import Deployment
 
 from fedtrain.config import from_dict
@@ -41,6 +41,8 @@ def test_sites_evaluate_under_masks_and_no_site_figure_reaches_the_server(tmp_pa
         secagg=SECAGG,
         strategy={"min_fit_clients": 3, "min_available_clients": 3},
         client={"epochs": 2, "batch_size": 16, "lr": 0.1},
+        tensorboard=True,
+        tensorboard_sites=True,  # asked for, and still nothing per site under secagg
     ) as dep:
         dep.start_server()
         for i, name in enumerate(SITES):
@@ -81,6 +83,10 @@ def test_sites_evaluate_under_masks_and_no_site_figure_reaches_the_server(tmp_pa
         if len(repr(accuracy)) > 6:
             assert repr(accuracy) not in server_side
     assert not [r for r in audit if r["event"] == "evaluation_refused"]
+    tags = tensorboard_tags(dep.run_dir)
+    assert "eval/accuracy" in tags["scalars"]
+    assert not [t for t in tags["scalars"] if t.startswith("sites/") or "worst" in t]
+    assert not [t for t in tags["tensors"] if "worst_site" in t]
     unmasked = [r for r in audit if r["event"] == "secagg_unmasked" and r.get("evaluation")]
     assert [r["round"] for r in unmasked] == [1, 2]
     assert all(r["included"] == list(SITES) for r in unmasked)

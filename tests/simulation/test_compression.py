@@ -21,7 +21,7 @@ TOPK = {"compression": {"codec": "topk", "fraction": 0.1}}
 
 
 def upload_bytes_per_client(history: list[dict]) -> set[float]:
-    return {r["bytes_up"] / r["reported"] for r in history}
+    return {r["bytes_up"] / r["clients"] for r in history}
 
 
 def test_codecs_report_the_encoded_upload_bytes(make_config):
@@ -37,7 +37,7 @@ def test_codecs_report_the_encoded_upload_bytes(make_config):
     assert upload_bytes_per_client(topk.history) == {(4 + 1) * 8}
     for run in (dense, fp16, topk):
         for r in run.history:
-            assert r["bytes_down"] == r["clients"] * model_bytes
+            assert r["bytes_down"] == r["selected"] * model_bytes
             assert r["bytes"] == r["bytes_down"] + r["bytes_up"]
     assert abs(fp16.final_accuracy - dense.final_accuracy) <= 0.02
     assert topk.history[-1]["loss"] < topk.history[0]["loss"]  # slower, but it learns

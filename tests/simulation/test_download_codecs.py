@@ -36,7 +36,7 @@ def test_clients_train_from_the_fp16_model_and_half_the_bytes_go_down(make_confi
     )
     assert not all(torch.equal(t, t.half().float()) for t in fp16.model.values())  # exact G
     for r in fp16.history:
-        assert r["bytes_down"] == r["clients"] * MODEL_BYTES // 2
+        assert r["bytes_down"] == r["selected"] * MODEL_BYTES // 2
     assert abs(fp16.final_accuracy - dense.final_accuracy) <= 0.02
 
 

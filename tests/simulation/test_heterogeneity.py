@@ -42,7 +42,8 @@ def test_dropouts_are_seeded_and_the_round_completes_without_them(make_config):
     first = run_simulation(config)
     again = run_simulation(make_config("again", heterogeneity={"dropout_rate": 0.25}))
     for record in first.history:
-        assert (record["clients"], record["dropped"], record["reported"]) == (20, 5, 15)
+        assert (record["selected"], len(record["dropped"]), record["clients"]) == (20, 5, 15)
+        assert set(record["dropped"]).isdisjoint(record["contributors"])
         assert record["aggregated"]
         assert record["bytes"] == (20 + 15) * first.model.nbytes  # no upload from a dropout
     assert first.model.equal(again.model)

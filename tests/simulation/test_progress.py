@@ -80,7 +80,7 @@ def test_simulate_command_on_the_process_backend(tmp_path):
     assert "final accuracy:" in out.stdout
     assert "clients/s" in out.stderr  # the per-round log line
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    summary = [(r["round"], r["clients"], r["reported"]) for r in records]
+    summary = [(r["round"], r["selected"], r["clients"]) for r in records]
     assert summary == [(1, 25, 25), (2, 25, 25)]
     assert json.loads((run / "config.json").read_text())["backend"] == "process"
     assert (run / "model.pt").stat().st_size > 0

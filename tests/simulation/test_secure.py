@@ -30,7 +30,7 @@ def test_one_secure_round_is_within_the_quantization_bound_of_plain_fedavg(make_
     secure = run_simulation(config)
     record = secure.history[0]
     n, weight = record["secagg_included"], record["secagg_total_weight"]
-    assert n == record["reported"] == plain.history[0]["reported"] == 20
+    assert n == record["clients"] == plain.history[0]["clients"] == 20
     assert record["secagg_clipped"] == 0 and record["aggregated"]
     assert "train_loss" in record and record["train_loss"] == plain.history[0]["train_loss"]
     # sum_i w_i x_i / sum_i w_i is off by < n * step / sum_i w_i per value (quantize.py),
@@ -76,7 +76,8 @@ def test_dropouts_at_every_stage_still_complete_rounds(make_config):
         stages = ("setup", "share_keys", "masked_input", "consistency", "unmask")
         assert [record[f"secagg_dropped_{s}"] for s in stages] == [2, 2, 2, 1, 1]
         # gone before the masked upload: left out; gone later: still in the sum
-        assert record["secagg_included"] == record["reported"] == 14
+        assert record["secagg_included"] == record["clients"] == 14
+        assert len(record["dropped"]) == 6  # the stage dropouts before the masked input
         assert record["aggregated"] and "secagg_error" not in record
     accuracies = [r["accuracy"] for r in result.history]
     assert accuracies[-1] > accuracies[0]
@@ -86,7 +87,7 @@ def test_too_many_dropouts_fail_the_round_and_keep_the_model(make_config):
     config = make_config(rounds=1, secagg=secagg(stage_dropouts=[0.0, 0.0, 0.9, 0.0, 0.0]))
     result = run_simulation(config)
     record = result.history[0]
-    assert record["secagg_included"] == record["reported"] == 0
+    assert record["secagg_included"] == record["clients"] == 0
     assert not record["aggregated"]
     assert "too many dropouts" in record["secagg_error"]
     task = load_task(config.task, config.task_options)
@@ -97,7 +98,7 @@ def test_a_client_over_max_weight_is_rejected_not_the_round(make_config, caplog)
     # iid: 30 examples per client; a site over max_weight could not encode its update
     config = make_config(rounds=1, secagg=secagg(max_weight=29.0))
     record = run_simulation(config).history[0]
-    assert record["rejected"] == 20 and record["reported"] == 0 and not record["aggregated"]
+    assert len(record["failed"]) == 20 and record["clients"] == 0 and not record["aggregated"]
     assert "exceeds max_weight 29.0" in caplog.text
 
 
@@ -135,7 +136,10 @@ def test_process_backend_gives_the_inline_result_bit_for_bit(make_config):
         return [{k: v for k, v in r.items() if k not in TIMING} for r in history]
 
     assert strip(pool.history) == strip(inline.history)
-    assert inline.history[0]["dropped"] == 4 and inline.history[0]["secagg_sites"] == 16
+    first = inline.history[0]
+    assert first["secagg_sites"] == 16  # 4 of the 20 dropped before training
+    early = ("setup", "share_keys", "masked_input")  # left out of the sum: dropped too
+    assert len(first["dropped"]) == 4 + sum(first[f"secagg_dropped_{s}"] for s in early)
 
 
 def test_the_example_config_runs_secure_rounds(tmp_path):

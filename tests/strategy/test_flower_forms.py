@@ -135,7 +135,7 @@ def test_a_krum_simulation_reports_the_kept_clients_training_loss(tmp_path):
     )
     task = OutlierTask(num_train=600, num_test=100)
     history = run_simulation(config, task=task).history
-    assert all(r["reported"] == 6 for r in history)
+    assert all(r["clients"] == 6 for r in history)
     assert all(0 < r["train_loss"] < 5 for r in history)  # client-3's 1e6 left out
 
 

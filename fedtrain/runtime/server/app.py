@@ -167,7 +167,11 @@ class AggregationServer:
             lambda: server_state(self.coordinator, self.registry), self._bytes_transferred
         )
         self.audit.subscribe(self.metrics.on_audit)
-        self._tensorboard = TensorBoardWriter(self.run_dir.path) if config.tensorboard else None
+        self._tensorboard = (
+            TensorBoardWriter(self.run_dir.path, sites=config.tensorboard_sites)
+            if config.tensorboard
+            else None
+        )
         self._round_observers = [
             o for o in (self.metrics.on_round, self._tensorboard, on_round) if o is not None
         ]

@@ -43,6 +43,7 @@ import grpc
 import numpy as np
 
 from fedtrain.errors import ConfigError
+from fedtrain.round_record import RoundRecord
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.global_model import GlobalModel
@@ -180,16 +181,17 @@ class BufferedRounds:
                 self.closed = True
             else:
                 self._assign_idle()  # the sites that waited for this version
-        record: dict[str, Any] = {
-            "round": version,
-            "clients": filling.buffer.count,
-            "contributors": filling.contributors,
-            "dropped": filling.dropped,
-            "failed": filling.failed,
-            **self.strategy.round_metrics(),
-            **coordinator.transfer_metrics(),
-            **self.strategy.aggregate_metrics(filling.results),
-        }
+        record = RoundRecord.buffered(
+            version,
+            filling.contributors,
+            filling.dropped,
+            filling.failed,
+            {
+                **self.strategy.round_metrics(),
+                **coordinator.transfer_metrics(),
+                **self.strategy.aggregate_metrics(filling.results),
+            },
+        ).to_json()
         coordinator.record_round(
             record,
             filling.started,

@@ -28,7 +28,7 @@ from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.evaluation import (
     EVALUATE_CAPABILITY,
     eval_metrics,
-    evaluation_due,
+    evaluation_now,
     federated_record,
     secure_record,
     server_record,
@@ -36,6 +36,7 @@ from fedtrain.evaluation import (
 )
 from fedtrain.export import save_final_model
 from fedtrain.privacy.accounting import PrivacyAccountant
+from fedtrain.round_record import RoundRecord, finished
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
@@ -176,6 +177,8 @@ class Coordinator:
         self.links = LinkEstimates()
         self._plain_uploads = config.compression.build().name == "none"
         self.last_metrics: dict[str, Any] = {}
+        #: The last record with an evaluation (`fedtrain status`: worst site, spread).
+        self.last_evaluation: dict[str, Any] = {}
         self.finished = threading.Event()
         self.checkpoints = CheckpointWriter(run_dir, audit)
         self.error: BaseException | None = None
@@ -308,6 +311,8 @@ class Coordinator:
         self._checkpoint_extra = extra
         log.info("resuming run %s after round %d from %s", extra["run_id"], done, self.run_dir.path)
         self.last_metrics = settle_run_record(self.run_dir, self.audit, done, extra)
+        if self.last_metrics.get("eval_source"):
+            self.last_evaluation = self.last_metrics
         return GlobalModel(done, str(extra["model_version"]), state), str(extra["run_id"])
 
     def _bind_eval_model(self, state: ModelState) -> None:
@@ -390,7 +395,8 @@ class Coordinator:
             # The privacy accountant's rate is the strategy's choice: a site the links
             # leave out was still chosen with this probability.
             self._sampling_rate = len(plan) / len(available)
-            for site in self._too_slow(server_round, plan):
+            skipped = self._too_slow(server_round, plan)
+            for site in skipped:
                 del plan[site]
             attempt += 1
             started = time.perf_counter()
@@ -399,7 +405,7 @@ class Coordinator:
             summary = state.close()
             if self.stopped:
                 return False
-            if self._finish(state, summary, started):
+            if self._finish(state, summary, started, skipped):
                 return True
             self._retry(summary)
         return False
@@ -504,7 +510,9 @@ class Coordinator:
         """Updates a round of `selected` sites needs to count."""
         return max(1, self.strategy.min_results(selected))
 
-    def _finish(self, state: RoundState, summary: RoundSummary, started: float) -> bool:
+    def _finish(
+        self, state: RoundState, summary: RoundSummary, started: float, skipped: list[str]
+    ) -> bool:
         """Finalize a successful attempt (model, checkpoint, metrics); False if it failed.
 
         A secure attempt whose sum was unmasked is never retried, even if the sum turns
@@ -533,7 +541,7 @@ class Coordinator:
                 server_round,
                 summary.poisoned,
             )
-            outcome = {"aggregated": False, "error": summary.poisoned}
+            outcome = {"error": summary.poisoned}
         if self.dp_accountant is not None:  # an unmasked sum spent privacy, used or not
             outcome["epsilon"] = self.dp_accountant.step(self._sampling_rate)
             outcome["delta"] = self.dp_accountant.delta
@@ -542,16 +550,20 @@ class Coordinator:
             model = self.publish(server_round, new_state)
         else:
             model = self.global_model = replace(self.global_model, round=server_round)
-        record: dict[str, Any] = {
-            "round": server_round,
-            "attempts": state.attempt,
-            "clients": len(summary.contributors),
-            "selected": len(summary.selected),
-            "dropped": summary.dropped,
-            "failed": summary.failed,
-            **self.transfer_metrics(),
-            **outcome,  # e.g. DP's epsilon, as in a simulation
-        }
+        record = RoundRecord(
+            round=server_round,
+            attempts=state.attempt,
+            selected=len(summary.selected),
+            contributors=summary.contributors,
+            dropped=summary.dropped,
+            failed=summary.failed,
+            skipped=skipped,
+            aggregated=usable,
+            measurements={
+                **self.transfer_metrics(),
+                **outcome,  # e.g. DP's epsilon, as in a simulation
+            },
+        ).to_json()
         if summary.dropped or summary.failed:
             log.warning(
                 "round %d finished without %s",
@@ -627,15 +639,19 @@ class Coordinator:
         """Set the record's loss and accuracy (and the keys of `fedtrain.evaluation`):
         evaluated every `eval_every` and at the end, on the server's test set or at the
         sites (`evaluate`)."""
-        record["loss"], record["accuracy"] = None, None
         server_round = record["round"]
-        if not evaluation_due(server_round, self.config.eval_every, self.config.rounds):
-            return
-        if self.evaluate_at == "server" and self.test_data is not None:
+        where = evaluation_now(
+            server_round,
+            self.config.eval_every,
+            self.config.rounds,
+            self.evaluate_at,
+            self.test_data is not None,
+        )
+        if where == "server":
             context = TaskContext(device=self.device, client_id="server", seed=self.config.seed)
             ev = self.task.evaluate(self._eval_model, self.test_data, self.config.client, context)
             record.update(server_record(ev))
-        elif self.evaluate_at == "sites":
+        elif where == "sites":
             record.update(self.federated_evaluation(server_round))
 
     def federated_evaluation(self, server_round: int) -> dict[str, Any]:
@@ -817,7 +833,7 @@ class Coordinator:
         metrics.jsonl after `--resume` (see `checkpoints.py`)."""
         server_round = record["round"]
         self.evaluate_into(record)
-        record["seconds"] = time.perf_counter() - started
+        finished(record, time.perf_counter() - started)
         record, audit = _plain(record), _plain(audit)  # as the line and the resume see them
         fault_point("evaluated", server_round)
         self.checkpoint(model, record, audit)
@@ -825,6 +841,8 @@ class Coordinator:
         self.run_dir.log_metrics(record)
         fault_point("metrics_logged", server_round)
         self.last_metrics = record
+        if record.get("eval_source"):
+            self.last_evaluation = record
         self.audit.record(
             "round_completed", round=server_round, model_version=model.version, **audit
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from fedtrain.observability.status import ServerState, SiteState
+from fedtrain.observability.status import ServerState, SiteState, numbers, site_figures
 from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.sessions import SessionRegistry
 from fedtrain.runtime.status import SitePage
@@ -43,11 +43,7 @@ def server_state(
     listed = (page or SitePage(limit=None)).of(sorted(by_name))
     state = coordinator.current
     model = coordinator.global_model
-    metrics = {
-        k: float(v)
-        for k, v in coordinator.last_metrics.items()
-        if isinstance(v, int | float) and not isinstance(v, bool)
-    }
+    evaluated = coordinator.last_evaluation
     return ServerState(
         run_id=coordinator.run_id,
         task=coordinator.config.task,
@@ -66,9 +62,12 @@ def server_state(
                 now - by_name[name].joined_at,
                 now - by_name[name].last_seen,
                 *coordinator.links.rates(name),
+                *site_figures(evaluated, name),
             )
             for name in listed
         ),
-        last_metrics=metrics,
+        last_metrics=numbers(coordinator.last_metrics),
         connected_sites=len(sessions),
+        last_evaluation=numbers(evaluated),
+        worst_site=str(evaluated.get("worst_site") or ""),
     )
