@@ -142,6 +142,7 @@ def _run_rounds(
                             eval_rng,
                             per_site=config.site_metrics,
                             secure=secure,
+                            personalize_epochs=config.personalize_epochs,
                         )
                     )
             record["seconds"] = time.perf_counter() - start

@@ -28,6 +28,7 @@ from fedtrain.evaluation import (
     secure_record,
     where_to_evaluate,
 )
+from fedtrain.personalize import ask_to_personalize
 from fedtrain.simulation.backends import Backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
@@ -75,10 +76,14 @@ def evaluate_clients(
     *,
     per_site: bool = True,
     secure: SecureAggregation | None = None,
+    personalize_epochs: int = 0,
 ) -> dict[str, Any]:
     """The record keys of one federated evaluation of `global_state` (with `secure`:
-    summed under SecAgg+ masks, the federation's totals only)."""
-    chosen = strategy.configure_evaluate(server_round, population.ids, rng)
+    summed under SecAgg+ masks, the federation's totals only; with
+    `personalize_epochs`, each client's personalized figures too)."""
+    chosen = ask_to_personalize(
+        strategy.configure_evaluate(server_round, population.ids, rng), personalize_epochs
+    )
     if not chosen:
         return federated_record({}, {}, [], per_site=False)
     results, missing = _evaluate(backend, population, server_round, chosen, global_state)

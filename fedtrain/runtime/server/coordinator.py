@@ -35,6 +35,7 @@ from fedtrain.evaluation import (
     where_to_evaluate,
 )
 from fedtrain.export import save_final_model
+from fedtrain.personalize import ask_to_personalize
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
@@ -644,7 +645,10 @@ class Coordinator:
         answer is missing, never a failure of the round."""
         model = self.global_model
         able = [s.site for s in self.registry.sessions() if EVALUATE_CAPABILITY in s.capabilities]
-        plan = self.strategy.configure_evaluate(server_round, able, self.rng)
+        plan = ask_to_personalize(
+            self.strategy.configure_evaluate(server_round, able, self.rng),
+            self.config.personalize_epochs,
+        )
         if not plan:
             log.warning(
                 "round %d: no evaluation: %d connected site(s) hold a held-out set, "

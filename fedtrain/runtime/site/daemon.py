@@ -52,6 +52,7 @@ from fedtrain.evaluation import (
     check_eval_result,
 )
 from fedtrain.parallel import TorchrunGroup
+from fedtrain.personalize import epochs_to_spend, personalized_evaluation, with_personalized
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
@@ -245,8 +246,9 @@ class SiteDaemon:
         #: The cached version when it is the server's reference model of that version
         #: (from a delta download): the next download may then be only the change.
         self._reference = ""
-        #: (model version, its held-out metrics): a version is evaluated once.
-        self._evaluated: tuple[str, EvalResult] | None = None
+        #: ((model version, personalization epochs), its held-out metrics): a version
+        #: is evaluated once.
+        self._evaluated: tuple[tuple[str, int], EvalResult] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
         self._call: grpc.Call | None = None
@@ -655,7 +657,7 @@ class SiteDaemon:
             assert self.model is not None
             global_state.load_into(self.model, self.federated)
             ev = self._held_out(
-                wire.config_from_proto(instruction.config), instruction.model_version
+                wire.config_from_proto(instruction.config), instruction.model_version, server_round
             )
             assert ev is not None  # the capability is advertised only with a held-out set
             check_eval_result(ev, f"site {self.name!r}, round {server_round}")
@@ -682,12 +684,18 @@ class SiteDaemon:
             log.exception("round %d: evaluation failed at this site", server_round)
             link.report(server_round, f"evaluation: {type(exc).__name__}: {exc}")
 
-    def _held_out(self, config: RoundConfig, version: str) -> EvalResult | None:
-        """The loaded model (version `version`) on the held-out set; once per version."""
+    def _held_out(
+        self, config: RoundConfig, version: str, server_round: int = 0
+    ) -> EvalResult | None:
+        """The loaded model (version `version`) on the held-out set, with its
+        personalized figures when `config` asks and the site allows it
+        (`fedtrain.personalize`); once per (version, personalization)."""
         if self.eval_data is None or self.model is None:
             return None
+        where = f"round {server_round}: evaluation"
+        epochs = epochs_to_spend(config, self.config.personalize_max_epochs, where)
         done = self._evaluated
-        if done is not None and done[0] == version:
+        if done is not None and done[0] == (version, epochs):
             return done[1]
         ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
         log.info(
@@ -697,7 +705,22 @@ class SiteDaemon:
             ev.loss,
             ev.metrics,
         )
-        self._evaluated = (version, ev)
+        if epochs:
+            assert self.data is not None
+            context = replace(self.context, seed=fresh_training_seed())
+            mine = personalized_evaluation(
+                self.task, self.model, self.data, self.eval_data, config, context, epochs
+            )
+            log.info(
+                "model %s personalized (%d epochs) on the held-out set (%d examples): loss %r %s",
+                version[:12],
+                epochs,
+                mine.num_examples,
+                mine.loss,
+                mine.metrics,
+            )
+            ev = with_personalized(ev, mine)
+        self._evaluated = ((version, epochs), ev)
         return ev
 
     def _train(
