@@ -54,6 +54,12 @@ METRICS: dict[str, str] = {
     "fedtrain_round_duration_seconds": "Duration of completed rounds (histogram).",
     "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation (if any).",
     "fedtrain_eval_loss": "Loss of the global model at its last evaluation (if any).",
+    "fedtrain_eval_personalized_accuracy": (
+        "Accuracy of the sites' fine-tuned copies at the last evaluation (personalize_epochs)."
+    ),
+    "fedtrain_eval_personalized_loss": (
+        "Loss of the sites' fine-tuned copies at the last evaluation (personalize_epochs)."
+    ),
     "fedtrain_uploads_accepted_total": "Updates received whole and aggregated.",
     "fedtrain_uploads_rejected_total": "Uploads refused (label code: gRPC status sent).",
     "fedtrain_uploads_aborted_total": "Uploads whose stream broke off midway.",
@@ -126,7 +132,7 @@ class ServerMetrics:
             self.round_seconds.observe(float(record["seconds"]))
         evaluated = {
             f"fedtrain_eval_{key}": float(record[key])
-            for key in ("accuracy", "loss")
+            for key in ("accuracy", "loss", "personalized_accuracy", "personalized_loss")
             if record.get(key) is not None
         }
         if evaluated:  # replaced whole: a scrape on another thread never sees it change

@@ -146,9 +146,7 @@ def test_under_dp_with_max_weight_1_the_secure_evaluation_sums_the_personalized_
         )
         bound = quantizer.mean_error_bound(3, p)
         assert abs(record["personalized_loss"] - sum(m[0] * m[1] for m in tuned) / p) <= bound
-        assert abs(record["personalized_accuracy"] - sum(m[0] * m[2] for m in tuned) / p) <= (
-            bound
-        )
+        assert abs(record["personalized_accuracy"] - sum(m[0] * m[2] for m in tuned) / p) <= (bound)
     assert not PERSONALIZED_LINE.search(logs[REFUSES])
     # no site's figure, global or personalized, reached the server
     server_side = "\n".join(
