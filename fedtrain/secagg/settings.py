@@ -41,7 +41,7 @@ class SecAggSettings:
         "Secure evaluation: each site's mean loss and accuracy are clipped to "
         "[-eval_clip, eval_clip] before they are masked (a loss above it counts as "
         "eval_clip; the site warns). The error of the federation's mean is below "
-        "sites * 2 * eval_clip * max_weight / (2^bits - 1) / examples.",
+        "sites * 2 * eval_clip * max_eval_weight / (2^bits - 1) / examples.",
     )
     bits: int = option(
         0,
