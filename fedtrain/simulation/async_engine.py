@@ -35,7 +35,11 @@ from fedtrain.evaluation import evaluation_due, server_record
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
-from fedtrain.simulation.federated_eval import where_to_evaluate_sim
+from fedtrain.simulation.federated_eval import (
+    clients_hold_out,
+    evaluate_clients,
+    where_to_evaluate_sim,
+)
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
@@ -221,7 +225,9 @@ def run_buffered(
             "loop runs FedBuff's buffer only"
         )
     prepared = prepare(config, task)
-    where = where_to_evaluate_sim(config, strategy, prepared.test is not None, False)
+    hold_out = clients_hold_out(config, task, prepared.train, prepared.population)
+    where = where_to_evaluate_sim(config, strategy, prepared.test is not None, hold_out)
+    eval_rng = np.random.default_rng([config.seed, 1])  # its own: never changes who trains
     global_state = prepared.global_state
     result = SimulationResult(global_state)
     concurrency = min(strategy.concurrency or len(prepared.population), len(prepared.population))
@@ -261,16 +267,26 @@ def run_buffered(
                 global_state = strategy.finalize_round(version, global_state, buffer)
                 clients.publish(version, global_state)
                 record = version_record(config, strategy, buffer.count, clients, updates)
-                if (
-                    where == "server"
-                    and prepared.test is not None
-                    and evaluation_due(version, config.eval_every, config.rounds)
-                ):
-                    record.update(
-                        server_record(
-                            evaluate(task, prepared.model, global_state, prepared.test, config)
+                if evaluation_due(version, config.eval_every, config.rounds):
+                    if where == "server" and prepared.test is not None:
+                        record.update(
+                            server_record(
+                                evaluate(task, prepared.model, global_state, prepared.test, config)
+                            )
                         )
-                    )
+                    elif where == "sites":  # between jobs, as a deployment's sites do
+                        record.update(
+                            evaluate_clients(
+                                backend,
+                                strategy,
+                                prepared.population,
+                                version,
+                                clients.models[version],  # as the clients decode it
+                                eval_rng,
+                                per_site=config.site_metrics,
+                                personalize_epochs=config.personalize_epochs,
+                            )
+                        )
                 record["seconds"] = time.perf_counter() - clients.interval.started
                 clients.interval = Interval()
                 arrivals_since_version = 0

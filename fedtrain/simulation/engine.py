@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from fedtrain.compression.downlink import SiteModels
 from fedtrain.compression.settings import DownloadSettings
@@ -26,13 +25,13 @@ from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.federated_eval import (
+    clients_hold_out,
     cross_site_validation,
     evaluate_clients,
     where_to_evaluate_sim,
 )
 from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.plan import RoundPlan, plan_round
-from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.run import ProgressCallback, SimulationResult, evaluate, finish, prepare
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.strategy import Strategy, WeightedSum
@@ -234,13 +233,3 @@ def train_round(
         **secagg,
     }
     return global_state, record
-
-
-def clients_hold_out(
-    config: SimConfig, task: Task, train: Dataset, population: ClientPopulation
-) -> bool:
-    """Whether the clients have held-out data to evaluate on (`eval_fraction`, or the
-    task's `client_test_data` for the first client's share)."""
-    if config.eval_fraction > 0:
-        return True
-    return task.client_test_data(population.dataset(train, population.ids[0])) is not None

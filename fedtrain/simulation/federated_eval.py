@@ -18,8 +18,8 @@ import logging
 from typing import Any, Literal
 
 import numpy as np
+from torch.utils.data import Dataset
 
-from fedtrain.errors import ConfigError
 from fedtrain.evaluation import (
     cross_site_matrix,
     cross_site_row,
@@ -36,7 +36,7 @@ from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.strategy import RoundConfig, Strategy
-from fedtrain.task import EvalResult
+from fedtrain.task import EvalResult, Task
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
@@ -45,18 +45,10 @@ log = logging.getLogger(__name__)
 def where_to_evaluate_sim(
     config: SimConfig, strategy: Strategy, has_test_set: bool, clients_hold_out: bool
 ) -> Literal["server", "sites", "off"]:
-    """`config.evaluate` resolved for this run, as a deployment's server resolves it:
-    asynchronous strategies evaluate on the test set only."""
+    """`config.evaluate` resolved for this run, as a deployment's server resolves it."""
     where = where_to_evaluate(config.evaluate, has_test_set)
     if where != "sites":
         return where
-    if strategy.asynchronous:
-        if config.evaluate == "sites":
-            raise ConfigError(
-                f"evaluate = 'sites' is not supported with the asynchronous strategy "
-                f"{strategy.name!r} yet; evaluate on the task's test set (evaluate = 'server')"
-            )
-        return "off"
     if not clients_hold_out:
         log.warning(
             "the task has no test set and the clients hold no held-out data: no evaluation "
@@ -64,6 +56,16 @@ def where_to_evaluate_sim(
         )
         return "off"
     return "sites"
+
+
+def clients_hold_out(
+    config: SimConfig, task: Task, train: Dataset, population: ClientPopulation
+) -> bool:
+    """Whether the clients have held-out data to evaluate on (`eval_fraction`, or the
+    task's `client_test_data` for the first client's share)."""
+    if config.eval_fraction > 0:
+        return True
+    return task.client_test_data(population.dataset(train, population.ids[0])) is not None
 
 
 def evaluate_clients(

@@ -218,25 +218,13 @@ class Coordinator:
     def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
         """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
 
-        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`).
-        FedBuff's sites train without pause, so an evaluation would displace their
-        jobs: not supported yet."""
+        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`);
+        under FedBuff (never secure) between their jobs (`buffered.py`)."""
         where = where_to_evaluate(config.evaluate, self.test_data is not None)
         if where != "sites":
             if config.evaluate == "server" and where == "off":
                 log.warning("evaluate = 'server' but the task has no test set: no evaluation")
             return where
-        if strategy.asynchronous:
-            if config.evaluate == "sites":
-                raise ConfigError(
-                    f"evaluate = 'sites' is not supported with the asynchronous strategy "
-                    f"{strategy.name!r} yet (its sites train continuously); use a test set "
-                    "on the server (evaluate = 'server') or a synchronous strategy"
-                )
-            log.warning(
-                "the task has no test set and %s runs asynchronously: no evaluation", strategy.name
-            )
-            return "off"
         log.info(
             "the global model is evaluated at the sites (federated evaluation%s) every %d "
             "round(s), on their held-out sets",
@@ -689,7 +677,7 @@ class Coordinator:
         (each counted site's result, why each other site is missing)."""
         weights = self.config.weights
         state = EvaluationRound(
-            server_round,
+            self._evaluation_number(server_round),
             model.version,
             plan,
             time.monotonic() + self.config.eval_timeout_s,
@@ -710,6 +698,12 @@ class Coordinator:
                 "round %d: site %r is left out of the evaluation: %s", server_round, site, why
             )
         return results, missing
+
+    def _evaluation_number(self, server_round: int) -> int:
+        """The `round` an EVALUATE carries: the round, or under FedBuff (whose TRAIN
+        instructions carry job numbers) a fresh job number."""
+        state = self.current
+        return state.instruction_number() if isinstance(state, BufferedRounds) else server_round
 
     def _cross_site_validation(self) -> None:
         """`cross_site.py` after the last round (`cross_site_validation`; never under

@@ -252,7 +252,9 @@ class SiteDaemon:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
         self._call: grpc.Call | None = None
-        self._job: tuple[Link, pb.Instruction] | None = None
+        #: The next TRAIN and the next EVALUATE not yet started, each replaced by a newer
+        #: one of its kind (under FedBuff an evaluation arrives while a job is pending).
+        self._jobs: dict[int, tuple[Link, pb.Instruction]] = {}
         self._job_ready = threading.Condition()
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
@@ -571,22 +573,29 @@ class SiteDaemon:
             link.report(instruction.round, refusal)
             return
         with self._job_ready:
-            self._job = (link, instruction)
+            self._jobs[instruction.kind] = (link, instruction)
             self._job_ready.notify()
 
     def _train_loop(self) -> None:
         while True:
             with self._job_ready:
-                while self._job is None and not self._stop.is_set():
+                while not self._jobs and not self._stop.is_set():
                     self._job_ready.wait()
                 if self._stop.is_set():
                     return
-                link, instruction = self._job  # type: ignore[misc]
-                self._job = None
-            if instruction.kind == pb.EVALUATE:
-                self._run_evaluation(link, instruction)
-            else:
+                # an evaluation first: it is short, and the server waits for it
+                kind = pb.EVALUATE if pb.EVALUATE in self._jobs else pb.TRAIN
+                link, instruction = self._jobs.pop(kind)
+            if instruction.kind != pb.EVALUATE:
                 self._run_instruction(link, instruction)
+            elif instruction.deadline_unix and time.time() > instruction.deadline_unix:
+                log.info(
+                    "round %d: evaluation not started: its deadline passed while this site "
+                    "trained (the server has closed it)",
+                    instruction.round,
+                )
+            else:
+                self._run_evaluation(link, instruction)
 
     def _run_instruction(self, link: Link, instruction: pb.Instruction) -> None:
         server_round = instruction.round
