@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,7 +77,12 @@ def epochs_to_spend(config: RoundConfig, cap: int, where: str) -> int:
     or 0 when it asks none, something that is not a whole number >= 0, or more than
     the site's `cap` (each refusal logged, naming `where`)."""
     asked: Any = config.get(PERSONALIZE_KEY, 0)
-    whole = isinstance(asked, int | float) and not isinstance(asked, bool) and asked == int(asked)
+    whole = (
+        isinstance(asked, int | float)
+        and not isinstance(asked, bool)
+        and math.isfinite(asked)
+        and asked == int(asked)
+    )
     if not whole or asked < 0:
         log.warning(
             "%s: %s = %r is not a whole number >= 0; not personalizing",
@@ -89,7 +95,9 @@ def epochs_to_spend(config: RoundConfig, cap: int, where: str) -> int:
     if asked == 0:
         return 0
     if asked > cap:
-        log.warning(
+        # a site that opted out (cap 0) is told every evaluation: no news, no warning
+        log.log(
+            logging.INFO if cap == 0 else logging.WARNING,
             "%s: the server asks for %d epoch(s) of personalization, this site spends at "
             "most %d (personalize_max_epochs in site.toml); reporting the global model's "
             "figures only",

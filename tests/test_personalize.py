@@ -44,12 +44,14 @@ def test_the_plan_asks_for_the_epochs_unless_the_strategy_chose_its_own():
         (-1, 10, 0),
         (2.5, 10, 0),
         ("2", 10, 0),
+        (float("inf"), 10, 0),
+        (float("nan"), 10, 0),
         (True, 10, 0),
     ],
 )
 def test_a_site_spends_what_it_is_asked_up_to_its_cap(asked, cap, spent, caplog):
     config = {} if asked is None else {PERSONALIZE_KEY: asked}
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         assert epochs_to_spend(config, cap, "round 4: evaluation") == spent
     if asked not in (None, 0) and spent == 0:
         assert "round 4: evaluation" in caplog.text
