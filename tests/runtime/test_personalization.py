@@ -51,20 +51,9 @@ def figures(log: str, line: re.Pattern[str]) -> dict[str, tuple[int, float, floa
     return {v: (int(n), float(loss), float(acc)) for v, n, loss, acc in line.findall(log)}
 
 
-def run(dep: Deployment) -> dict[str, str]:
-    dep.start_server()
-    for i, name in enumerate(SITES):
-        cap = {"personalize_max_epochs": 0} if name == REFUSES else {}
-        dep.start_site(name, data=one_label(i), **cap)
-    assert dep.wait_server(240) == 0, dep.log("server")
-    logs = {name: dep.log(name) for name in SITES}
-    dep.close()
-    return logs
-
-
-def test_sites_report_personalized_figures_beside_the_global_ones_and_one_refuses(
-    tmp_path: Path,
-):
+def run(tmp_path: Path, **server: object) -> tuple[Deployment, dict[str, str]]:
+    """Two rounds, three sites (one label each, hospital-c refusing to personalize),
+    `personalize_epochs = 2`; every log by process name, the server's as "server"."""
     with Deployment(
         tmp_path,
         TASK,
@@ -73,8 +62,22 @@ def test_sites_report_personalized_figures_beside_the_global_ones_and_one_refuse
         personalize_epochs=2,
         strategy={"min_fit_clients": 3, "min_available_clients": 3},
         client={"epochs": 1, "batch_size": 16, "lr": 0.1},
+        **server,
     ) as dep:
-        logs = run(dep)
+        dep.start_server()
+        for i, name in enumerate(SITES):
+            cap = {"personalize_max_epochs": 0} if name == REFUSES else {}
+            dep.start_site(name, data=one_label(i), **cap)
+        assert dep.wait_server(240) == 0, dep.log("server")
+        logs = {name: dep.log(name) for name in (*SITES, "server")}
+        dep.close()
+    return dep, logs
+
+
+def test_sites_report_personalized_figures_beside_the_global_ones_and_one_refuses(
+    tmp_path: Path,
+):
+    dep, logs = run(tmp_path)
 
     versions = {r["round"]: r["model_version"][:12] for r in dep.audit("round_completed")}
     for record in dep.metrics():
@@ -114,18 +117,8 @@ DP_SECAGG = {
 def test_under_dp_with_max_weight_1_the_secure_evaluation_sums_the_personalized_figures(
     tmp_path: Path,
 ):
-    with Deployment(
-        tmp_path,
-        TASK,
-        secure=False,
-        rounds=2,
-        personalize_epochs=2,
-        secagg=DP_SECAGG,
-        strategy={"min_fit_clients": 3, "min_available_clients": 3},
-        client={"epochs": 1, "batch_size": 16, "lr": 0.1},
-    ) as dep:
-        logs = run(dep)
-        server_log = dep.log("server")
+    dep, logs = run(tmp_path, secagg=DP_SECAGG)
+    server_log = logs.pop("server")
 
     metrics = dep.metrics()
     assert [r["round"] for r in metrics] == [1, 2]
@@ -146,7 +139,7 @@ def test_under_dp_with_max_weight_1_the_secure_evaluation_sums_the_personalized_
         )
         bound = quantizer.mean_error_bound(3, p)
         assert abs(record["personalized_loss"] - sum(m[0] * m[1] for m in tuned) / p) <= bound
-        assert abs(record["personalized_accuracy"] - sum(m[0] * m[2] for m in tuned) / p) <= (bound)
+        assert abs(record["personalized_accuracy"] - sum(m[0] * m[2] for m in tuned) / p) <= bound
     assert not PERSONALIZED_LINE.search(logs[REFUSES])
     # no site's figure, global or personalized, reached the server
     server_side = "\n".join(
