@@ -226,7 +226,7 @@ def run_buffered(
         )
     prepared = prepare(config, task)
     hold_out = clients_hold_out(config, task, prepared.train, prepared.population)
-    where = where_to_evaluate_sim(config, strategy, prepared.test is not None, hold_out)
+    where = where_to_evaluate_sim(config, prepared.test is not None, hold_out)
     eval_rng = np.random.default_rng([config.seed, 1])  # its own: never changes who trains
     global_state = prepared.global_state
     result = SimulationResult(global_state)

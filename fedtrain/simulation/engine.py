@@ -97,7 +97,7 @@ def _run_rounds(
         secure.check(strategy, len(population))
     result = SimulationResult(global_state)
     where = where_to_evaluate_sim(
-        config, strategy, test is not None, clients_hold_out(config, task, train, population)
+        config, test is not None, clients_hold_out(config, task, train, population)
     )
     # its own stream, so evaluating never changes who trains
     eval_rng = np.random.default_rng([config.seed, 1])

@@ -5,7 +5,8 @@ and the same record keys (`fedtrain.evaluation.federated_record`). The clients
 evaluate on the workers that own them, through the backend's ordinary round path
 (an evaluation `RoundPlan`), on their held-out data: a seeded `eval_fraction` of
 each client's share, or what the task's `client_test_data` gives (a Flower client's
-own evaluation). Heterogeneity's dropouts do not apply to evaluation.
+own evaluation). Heterogeneity's dropouts do not apply to evaluation. FedBuff's
+virtual clock evaluates every `eval_every` versions the same way, between jobs.
 
 Under secure aggregation the clients' evaluations are summed by a SecAgg+ exchange
 (`SecureAggregation.evaluate`, with `secagg.stage_dropouts` as in training rounds)
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def where_to_evaluate_sim(
-    config: SimConfig, strategy: Strategy, has_test_set: bool, clients_hold_out: bool
+    config: SimConfig, has_test_set: bool, clients_hold_out: bool
 ) -> Literal["server", "sites", "off"]:
     """`config.evaluate` resolved for this run, as a deployment's server resolves it."""
     where = where_to_evaluate(config.evaluate, has_test_set)

@@ -164,7 +164,7 @@ class Coordinator:
         self.federated = federated_names(task, self._eval_model)
         #: The task's test set, loaded only where the server may evaluate on it.
         self.test_data = task.datasets()[1] if config.evaluate in ("auto", "server") else None
-        self.evaluate_at = self._where_to_evaluate(config, strategy)
+        self.evaluate_at = self._where_to_evaluate(config)
         #: The federated evaluation in progress (reports from sites go to it), or None.
         self.evaluation: EvaluationRound | None = None
         #: The secure federated evaluation in progress (stage messages go to it), or None.
@@ -215,7 +215,7 @@ class Coordinator:
         if strategy.asynchronous:
             self.current = BufferedRounds(self)
 
-    def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
+    def _where_to_evaluate(self, config: ServerConfig) -> str:
         """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
 
         Under secure aggregation the sites evaluate securely (`secure_evaluation.py`);
