@@ -23,6 +23,12 @@ per-site option remains under secure aggregation: a site's metrics say as much
 about its data as its update would, and a site that requires secure aggregation
 refuses a plain evaluation.
 
+With `personalize_epochs` each evaluating site also reports the figures of a copy
+of the model fine-tuned on its own training split (`fedtrain.personalize`); the
+record then carries `personalized_loss`, `personalized_accuracy` and
+`personalized_examples` beside `loss` and `accuracy` (and each site's in
+`site_metrics`), in the clear or as secure totals alike.
+
 This module is core: the runtime and the simulation both build their records with
 it, so the keys mean the same in every driver.
 """
@@ -34,11 +40,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fedtrain.errors import ConfigError
+from fedtrain.personalize import PREFIX
 from fedtrain.round_record import worst_first
 from fedtrain.secagg.evaluation import EvalTotals
 from fedtrain.task import EvalResult
 
 EvaluateAt = Literal["auto", "server", "sites", "off"]
+#: The federation's figures a record carries under their own names; any other metric
+#: the strategy aggregated is `eval_<name>`.
+RECORD_FIGURES = ("loss", "accuracy", f"{PREFIX}loss", f"{PREFIX}accuracy")
 EVALUATE_DOC = (
     "Where the global model is evaluated every eval_every rounds (and after the last): "
     "`auto` on the task's test set when it has one, else at the sites (a simulation's "
@@ -152,6 +162,7 @@ def federated_record(
     `per_site`, each site's metrics (`site_metrics`) and the worst site by accuracy
     (else by loss) are in the record; without, only the federation's figures.
     """
+    personalized = [r.num_examples for r in results.values() if f"{PREFIX}loss" in r.metrics]
     record: dict[str, Any] = {
         "loss": aggregated.get("loss"),
         "accuracy": aggregated.get("accuracy"),
@@ -159,7 +170,8 @@ def federated_record(
         "eval_examples": sum(r.num_examples for r in results.values()),
         "eval_sites": len(results),
         "eval_missing": sorted(missing),
-        **{f"eval_{k}": v for k, v in aggregated.items() if k not in ("loss", "accuracy")},
+        **{f"eval_{k}": v for k, v in aggregated.items() if k not in RECORD_FIGURES},
+        **personalized_record(aggregated, sum(personalized)),
     }
     if not per_site or not results:
         return record
@@ -239,6 +251,21 @@ def secure_record(
         "eval_examples": totals.num_examples if totals is not None else 0,
         "eval_sites": totals.sites if totals is not None else 0,
         "eval_missing": sorted(missing),
+        **personalized_record(aggregated, totals.personalized_examples if totals else 0),
+    }
+
+
+def personalized_record(aggregated: Mapping[str, float], examples: int) -> dict[str, Any]:
+    """The record's personalization keys (`fedtrain.personalize`), only when some site
+    personalized: `personalized_loss`, `personalized_accuracy` (the federation's
+    means over the sites that did) and `personalized_examples` (their held-out
+    examples; fewer than `eval_examples` when a site refused)."""
+    if not examples:
+        return {}
+    return {
+        f"{PREFIX}loss": aggregated.get(f"{PREFIX}loss"),
+        f"{PREFIX}accuracy": aggregated.get(f"{PREFIX}accuracy"),
+        f"{PREFIX}examples": examples,
     }
 
 

@@ -82,6 +82,12 @@ METRICS: dict[str, str] = {
     "fedtrain_site_eval_loss": (
         f"Loss at each of the {SITE_GAUGES} worst sites (label site); same conditions."
     ),
+    "fedtrain_eval_personalized_accuracy": (
+        "Accuracy of the sites' fine-tuned copies at the last evaluation (personalize_epochs)."
+    ),
+    "fedtrain_eval_personalized_loss": (
+        "Loss of the sites' fine-tuned copies at the last evaluation (personalize_epochs)."
+    ),
     "fedtrain_uploads_accepted_total": "Updates received whole and aggregated.",
     "fedtrain_uploads_rejected_total": "Uploads refused (label code: gRPC status sent).",
     "fedtrain_uploads_aborted_total": "Uploads whose stream broke off midway.",
@@ -201,6 +207,8 @@ _EVALUATION = {
     "loss": "loss",
     "sites": "eval_sites",
     "site_spread": "site_spread",
+    "personalized_accuracy": "personalized_accuracy",
+    "personalized_loss": "personalized_loss",
 }
 
 #: (site, accuracy or None, loss or None), worst first.

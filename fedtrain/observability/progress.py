@@ -18,13 +18,15 @@ log = logging.getLogger(__name__)
 def describe(
     record: Mapping[str, Any], total_rounds: int | None = None, eta_s: float | None = None
 ) -> str:
-    """One round's record as a short line: round (of total), accuracy, loss, clients,
-    pace, seconds, and the time left when known."""
+    """One round's record as a short line: round (of total), accuracy, loss, the
+    personalized accuracy, clients, pace, seconds, and the time left when known."""
     total = f"/{total_rounds}" if total_rounds else ""
     parts = [f"round {record['round']}{total}"]
-    for key, fmt in (("accuracy", "{:.4f}"), ("loss", "{:.4f}")):
+    for key in ("accuracy", "loss"):
         if record.get(key) is not None:
-            parts.append(f"{key} {fmt.format(record[key])}")
+            parts.append(f"{key} {record[key]:.4f}")
+    if record.get("personalized_accuracy") is not None:
+        parts.append(f"personalized {record['personalized_accuracy']:.4f}")
     parts.append(f"{record.get('clients', 0)} clients")
     if record.get("clients_per_s"):
         parts.append(pace(record["clients_per_s"]))

@@ -3,8 +3,9 @@
 Reads only what every run writes (`metrics.jsonl`, `config.json`) plus the runtime's
 `audit.jsonl` when present, so it works for simulations and deployments alike.
 Plots: accuracy and loss per round (on the server's test set, or the federation's
-example-weighted mean when the sites evaluated), each site's own accuracy per round
-(federated evaluation: which site lags, and since when), bytes per round, per-site
+example-weighted mean when the sites evaluated; with personalization, the sites'
+fine-tuned copies beside the global model, dashed), each site's own accuracy per
+round (federated evaluation: which site lags, and since when), bytes per round, per-site
 participation (from the audit log), privacy epsilon when DP was on, and the
 cross-site validation's heat-map (`cross_site.json`) when the run made one.
 
@@ -59,21 +60,38 @@ def _round_figure(out: Path, title: str, height: float = 3.5) -> Iterator[Any]:
 
 
 def plot_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """The global model's accuracy and loss per evaluated round; with personalization,
+    the fine-tuned copies' too (dashed)."""
     rounds_acc, acc = _series(metrics, "accuracy")
     rounds_loss, loss = _series(metrics, "loss")
     if not acc and not loss:
         return None
     federated = any(m.get("eval_source") == "sites" for m in metrics)
     title = "Global model at the sites (federated)" if federated else "Global model on the test set"
+    personal_acc = _series(metrics, "personalized_accuracy")
+    personal_loss = _series(metrics, "personalized_loss")
+    if personal_acc[1] or personal_loss[1]:
+        title += ", and fine-tuned at each site"
     with _round_figure(out, title, height=4) as ax:
+        lines = []
         if acc:
-            ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
+            lines += ax.plot(rounds_acc, acc, marker="o", color="tab:blue", label="test accuracy")
             ax.set_ylabel("accuracy", color="tab:blue")
             ax.set_ylim(0, 1.02)
+        if personal_acc[1]:
+            lines += ax.plot(
+                *personal_acc, "--", marker="o", color="tab:blue", label="personalized accuracy"
+            )
         if loss:
             ax2 = ax.twinx()
-            ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
+            lines += ax2.plot(rounds_loss, loss, marker="s", color="tab:orange", label="test loss")
             ax2.set_ylabel("loss", color="tab:orange")
+            if personal_loss[1]:
+                lines += ax2.plot(
+                    *personal_loss, "--", marker="s", color="tab:orange", label="personalized loss"
+                )
+        if personal_acc[1] or personal_loss[1]:
+            ax.legend(handles=lines, fontsize="small", loc="center right")
         ax.grid(alpha=0.3)
     return out
 
@@ -83,15 +101,16 @@ def plot_site_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | N
     sites = sorted({s for m in metrics for s in (m.get("site_metrics") or {})})
     if not sites:
         return None
-    with _round_figure(out, "Accuracy at each site", height=4) as ax:
+    personalized = any(m.get("personalized_accuracy") is not None for m in metrics)
+    title = "Accuracy at each site" + (" (dashed: personalized)" if personalized else "")
+    with _round_figure(out, title, height=4) as ax:
         for site in sites:
-            rows = [
-                (m["round"], m["site_metrics"][site].get("accuracy"))
-                for m in metrics
-                if site in (m.get("site_metrics") or {})
-            ]
-            rows = [(r, a) for r, a in rows if a is not None]
-            ax.plot([r for r, _ in rows], [a for _, a in rows], marker=".", alpha=0.8, label=site)
+            (line,) = ax.plot(
+                *_site_series(metrics, site, "accuracy"), marker=".", alpha=0.8, label=site
+            )
+            mine = _site_series(metrics, site, "personalized_accuracy")
+            if mine[0]:
+                ax.plot(*mine, "--", marker=".", alpha=0.8, color=line.get_color())
         rounds, acc = _series(metrics, "accuracy")
         ax.plot(rounds, acc, color="black", linewidth=2.5, label="federation (weighted mean)")
         ax.set_ylabel("accuracy")
@@ -100,6 +119,14 @@ def plot_site_accuracy(metrics: Sequence[dict[str, Any]], out: Path) -> Path | N
         if len(sites) <= 12:
             ax.legend(fontsize="small", loc="lower right")
     return out
+
+
+def _site_series(
+    metrics: Sequence[dict[str, Any]], site: str, key: str
+) -> tuple[list[int], list[float]]:
+    """One site's `key` per round, where it has one."""
+    rows = [(m["round"], (m.get("site_metrics") or {}).get(site, {}).get(key)) for m in metrics]
+    return [r for r, v in rows if v is not None], [float(v) for _, v in rows if v is not None]
 
 
 #: (upload, download) keys of a metrics record: the simulation's, then the server's
@@ -265,6 +292,7 @@ def write_report(run_path: str | Path) -> Path:
 _COLUMNS = (
     "round",
     "accuracy",
+    "personalized_accuracy",
     "loss",
     "worst_accuracy",
     "selected",
@@ -302,6 +330,11 @@ def _html(
             facts["worst site"] = f"{final['worst_site']}: accuracy {final['worst_accuracy']:.4f}"
             if final.get("site_spread") is not None:
                 facts["worst site"] += f" (spread across sites {final['site_spread']:.4f})"
+        if final.get("personalized_accuracy") is not None:
+            facts["final personalized accuracy"] = (
+                f"{final['personalized_accuracy']:.4f} (fine-tuned at the sites: "
+                f"{final['personalized_examples']} of {final['eval_examples']} held-out examples)"
+            )
     if last.get("epsilon") is not None:
         facts["privacy"] = f"epsilon {last['epsilon']:.3f} at delta {last.get('delta', '?')}"
     columns = [k for k in _COLUMNS if any(k in m for m in metrics)]

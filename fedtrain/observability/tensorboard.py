@@ -39,6 +39,9 @@ TENSORBOARD_SITES_DOC = (
 _GROUPS = {
     "accuracy": "eval",
     "loss": "eval",
+    "personalized_accuracy": "eval",
+    "personalized_loss": "eval",
+    "personalized_examples": "eval",
     "bytes": "transfer",
     "bytes_in": "transfer",
     "bytes_out": "transfer",

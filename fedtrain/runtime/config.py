@@ -26,6 +26,7 @@ from fedtrain.evaluation import (
 )
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC, TENSORBOARD_SITES_DOC
+from fedtrain.personalize import PERSONALIZE_DOC, PERSONALIZE_MAX_DOC, check_epochs
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
 from fedtrain.runtime.wire import HEADER_ALLOWANCE
 from fedtrain.secagg.settings import SecAggSettings
@@ -187,6 +188,7 @@ class ServerConfig:
         "a site that has not answered by then (or left, or failed) is left out of that "
         "round's evaluation, which never fails the round.",
     )
+    personalize_epochs: int = option(0, PERSONALIZE_DOC)
     site_metrics: bool = option(True, SITE_METRICS_DOC)
     cross_site_validation: bool = option(False, CROSS_SITE_DOC)
     cross_site_local_models: bool = option(False, CROSS_SITE_LOCAL_DOC)
@@ -305,6 +307,7 @@ class ServerConfig:
                 f"({self.chunk_bytes}) + {HEADER_ALLOWANCE}; raise it or lower chunk_bytes"
             )
         _check_heartbeat(self.heartbeat)
+        check_epochs(self.personalize_epochs, "personalize_epochs")
         self.weights.check_sites(self.allowed_sites, self.secagg.enabled)
         for key, value in self.client.items():
             if not isinstance(value, bool | int | float | str):
@@ -479,6 +482,7 @@ class SiteConfig:
         "never leaves it unmasked, and it refuses any other server or instruction.",
     )
     share_local_model: bool = option(False, SHARE_LOCAL_MODEL_DOC)
+    personalize_max_epochs: int = option(10, PERSONALIZE_MAX_DOC)
     require_consistency_check: bool = option(
         True,
         "With TLS, take part in a secure round only if the server runs the consistency "
@@ -509,6 +513,7 @@ class SiteConfig:
             )
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
+        check_epochs(self.personalize_max_epochs, "personalize_max_epochs")
         if self.devices and self.nproc > 1:
             raise ConfigError(
                 f"devices = {self.devices} and nproc = {self.nproc}: set devices (one worker "

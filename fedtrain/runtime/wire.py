@@ -31,7 +31,8 @@ from fedtrain.tensors import Chunk, ModelState, TensorSpec
 #: 3: a site sends an update's bytes only after the server's go-ahead (`UPLOAD_GO_AHEAD`).
 #: 4: uploads resume from the offset the server holds (`UPLOAD_ID`, `UPLOAD_OFFSET`,
 #: UploadHeader.resume_id) and sessions survive outages (Join.resume_token).
-PROTOCOL_VERSION = 4
+#: 5: a secure evaluation's masked vector carries the personalized figures (7 values).
+PROTOCOL_VERSION = 5
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).

@@ -19,6 +19,9 @@ from fedtrain.secagg.config import SecAggConfig
 from fedtrain.secagg.evaluation import evaluation_protocol
 from fedtrain.strategy import STRATEGIES
 
+#: `max_eval_weight` under distributed DP when it is 0 (the `max_weight` default).
+DP_EVAL_WEIGHT = 100_000.0
+
 
 @dataclass
 class SecAggSettings:
@@ -38,7 +41,7 @@ class SecAggSettings:
         "Secure evaluation: each site's mean loss and accuracy are clipped to "
         "[-eval_clip, eval_clip] before they are masked (a loss above it counts as "
         "eval_clip; the site warns). The error of the federation's mean is below "
-        "sites * 2 * eval_clip * max_weight / (2^bits - 1) / examples.",
+        "sites * 2 * eval_clip * max_eval_weight / (2^bits - 1) / examples.",
     )
     bits: int = option(
         0,
@@ -52,6 +55,13 @@ class SecAggSettings:
         100_000.0,
         "Largest example count one site may declare. Updates are multiplied by their "
         "weight before encoding: step = 2 * clip * max_weight / (2^bits - 1).",
+    )
+    max_eval_weight: float = option(
+        0.0,
+        "Largest held-out example count one site may declare in a secure evaluation "
+        "(its weight there): step = 2 * eval_clip * max_eval_weight / (2^bits - 1). "
+        "0: max_weight, or 100000 under distributed DP, whose training weights are 1 "
+        "(max_weight = 1 is advised there) while an evaluation's are example counts.",
     )
     weight_resolution: float = option(
         1.0, "Weights are rounded to multiples of this (1.0: example counts are exact)."
@@ -93,7 +103,7 @@ class SecAggSettings:
     )
 
     def __post_init__(self) -> None:
-        for key in ("bits", "k", "t"):
+        for key in ("bits", "k", "t", "max_eval_weight"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"secagg.{key} must be >= 0 (0: automatic)")
         try:
@@ -136,12 +146,22 @@ class SecAggSettings:
             **(self.privacy.build().protocol_fields() if self.privacy.enabled else {}),
         )
 
+    @property
+    def eval_weight_cap(self) -> float:
+        """`max_eval_weight` resolved (0: automatic, see its doc)."""
+        if self.max_eval_weight:
+            return self.max_eval_weight
+        return DP_EVAL_WEIGHT if self.privacy.enabled else self.max_weight
+
     def evaluation_protocol(self) -> SecAggConfig:
         """The protocol configuration of a secure evaluation (validated)."""
         try:
-            return evaluation_protocol(self.protocol(), self.eval_clip)
+            return evaluation_protocol(self.protocol(), self.eval_clip, self.eval_weight_cap)
         except SecAggError as exc:
-            raise ConfigError(f"secagg.eval_clip = {self.eval_clip}: {exc}") from None
+            raise ConfigError(
+                f"secagg.eval_clip = {self.eval_clip}, secagg.max_eval_weight = "
+                f"{self.eval_weight_cap}: {exc}"
+            ) from None
 
     def check_rounds(self, strategy: str, min_fit_clients: int, who: str = "sites") -> None:
         """What secure aggregation needs from the rest of a config, refused up front.

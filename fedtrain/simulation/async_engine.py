@@ -36,7 +36,11 @@ from fedtrain.round_record import RoundRecord, finished
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
-from fedtrain.simulation.federated_eval import where_to_evaluate_sim
+from fedtrain.simulation.federated_eval import (
+    clients_hold_out,
+    evaluate_clients,
+    where_to_evaluate_sim,
+)
 from fedtrain.simulation.heterogeneity import Heterogeneity
 from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
@@ -224,7 +228,9 @@ def run_buffered(
             "loop runs FedBuff's buffer only"
         )
     prepared = prepare(config, task)
-    where = where_to_evaluate_sim(config, strategy, prepared.test is not None, False)
+    hold_out = clients_hold_out(config, task, prepared.train, prepared.population)
+    where = where_to_evaluate_sim(config, prepared.test is not None, hold_out)
+    eval_rng = np.random.default_rng([config.seed, 1])  # its own: never changes who trains
     global_state = prepared.global_state
     result = SimulationResult(global_state)
     concurrency = min(strategy.concurrency or len(prepared.population), len(prepared.population))
@@ -271,6 +277,19 @@ def run_buffered(
                     record.update(
                         server_record(
                             evaluate(task, prepared.model, global_state, prepared.test, config)
+                        )
+                    )
+                elif due == "sites":  # between jobs, as a deployment's sites do
+                    record.update(
+                        evaluate_clients(
+                            backend,
+                            strategy,
+                            prepared.population,
+                            version,
+                            clients.models[version],  # as the clients decode it
+                            eval_rng,
+                            per_site=config.site_metrics,
+                            personalize_epochs=config.personalize_epochs,
                         )
                     )
                 finished(record, time.perf_counter() - clients.interval.started)

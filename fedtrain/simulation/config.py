@@ -17,6 +17,7 @@ from fedtrain.evaluation import (
 )
 from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC, TENSORBOARD_SITES_DOC
+from fedtrain.personalize import PERSONALIZE_DOC, check_epochs
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.strategy import Schedule, Strategy, build_strategy
 from fedtrain.strategy.schedule import check_schedules
@@ -199,6 +200,7 @@ class SimConfig:
         "held-out set for federated evaluation (evaluate = auto without a test set, or "
         "sites); 0: none, unless the task's client_test_data gives one (Flower clients).",
     )
+    personalize_epochs: int = option(0, PERSONALIZE_DOC)
     site_metrics: bool = option(True, SITE_METRICS_DOC)
     cross_site_validation: bool = option(False, CROSS_SITE_DOC)
     tensorboard: bool = option(False, TENSORBOARD_DOC)
@@ -249,6 +251,7 @@ class SimConfig:
                 "client trains in one process on one GPU (a fraction packs several on one)"
             )
         check_schedules(self.client, self.client_schedule)
+        check_epochs(self.personalize_epochs, "personalize_epochs")
         self.compression.check_secagg(self.secagg.enabled)
         check_cross_site(
             self.cross_site_validation,

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
 
 from fedtrain.compression.downlink import SiteModels
 from fedtrain.compression.settings import DownloadSettings
@@ -27,13 +26,13 @@ from fedtrain.simulation.async_engine import run_buffered
 from fedtrain.simulation.backends import Backend, open_backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.federated_eval import (
+    clients_hold_out,
     cross_site_validation,
     evaluate_clients,
     where_to_evaluate_sim,
 )
 from fedtrain.simulation.fold import RoundFold
 from fedtrain.simulation.plan import RoundPlan, plan_round
-from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.run import ProgressCallback, SimulationResult, evaluate, finish, prepare
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.strategy import Strategy, WeightedSum
@@ -100,7 +99,7 @@ def _run_rounds(
         secure.check(strategy, len(population))
     result = SimulationResult(global_state)
     where = where_to_evaluate_sim(
-        config, strategy, test is not None, clients_hold_out(config, task, train, population)
+        config, test is not None, clients_hold_out(config, task, train, population)
     )
     # its own stream, so evaluating never changes who trains
     eval_rng = np.random.default_rng([config.seed, 1])
@@ -145,6 +144,7 @@ def _run_rounds(
                         eval_rng,
                         per_site=config.site_metrics,
                         secure=secure,
+                        personalize_epochs=config.personalize_epochs,
                     )
                 )
             finished(record, time.perf_counter() - start)
@@ -246,13 +246,3 @@ def plan_left_out(plan: RoundPlan, fold: RoundFold) -> list[str]:
     """Clients that trained but are neither counted nor refused: a secure round's stage
     dropouts."""
     return [c for c in plan.training if c not in fold.results and c not in fold.rejected]
-
-
-def clients_hold_out(
-    config: SimConfig, task: Task, train: Dataset, population: ClientPopulation
-) -> bool:
-    """Whether the clients have held-out data to evaluate on (`eval_fraction`, or the
-    task's `client_test_data` for the first client's share)."""
-    if config.eval_fraction > 0:
-        return True
-    return task.client_test_data(population.dataset(train, population.ids[0])) is not None

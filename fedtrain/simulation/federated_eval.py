@@ -5,7 +5,8 @@ and the same record keys (`fedtrain.evaluation.federated_record`). The clients
 evaluate on the workers that own them, through the backend's ordinary round path
 (an evaluation `RoundPlan`), on their held-out data: a seeded `eval_fraction` of
 each client's share, or what the task's `client_test_data` gives (a Flower client's
-own evaluation). Heterogeneity's dropouts do not apply to evaluation.
+own evaluation). Heterogeneity's dropouts do not apply to evaluation. FedBuff's
+virtual clock evaluates every `eval_every` versions the same way, between jobs.
 
 Under secure aggregation the clients' evaluations are summed by a SecAgg+ exchange
 (`SecureAggregation.evaluate`, with `secagg.stage_dropouts` as in training rounds)
@@ -18,8 +19,8 @@ import logging
 from typing import Any, Literal
 
 import numpy as np
+from torch.utils.data import Dataset
 
-from fedtrain.errors import ConfigError
 from fedtrain.evaluation import (
     cross_site_matrix,
     cross_site_row,
@@ -28,6 +29,7 @@ from fedtrain.evaluation import (
     secure_record,
     where_to_evaluate,
 )
+from fedtrain.personalize import ask_to_personalize
 from fedtrain.simulation.backends import Backend
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult
@@ -35,27 +37,19 @@ from fedtrain.simulation.plan import ClientWork, RoundPlan
 from fedtrain.simulation.population import ClientPopulation
 from fedtrain.simulation.secure import SecureAggregation
 from fedtrain.strategy import RoundConfig, Strategy
-from fedtrain.task import EvalResult
+from fedtrain.task import EvalResult, Task
 from fedtrain.tensors import ModelState
 
 log = logging.getLogger(__name__)
 
 
 def where_to_evaluate_sim(
-    config: SimConfig, strategy: Strategy, has_test_set: bool, clients_hold_out: bool
+    config: SimConfig, has_test_set: bool, clients_hold_out: bool
 ) -> Literal["server", "sites", "off"]:
-    """`config.evaluate` resolved for this run, as a deployment's server resolves it:
-    asynchronous strategies evaluate on the test set only."""
+    """`config.evaluate` resolved for this run, as a deployment's server resolves it."""
     where = where_to_evaluate(config.evaluate, has_test_set)
     if where != "sites":
         return where
-    if strategy.asynchronous:
-        if config.evaluate == "sites":
-            raise ConfigError(
-                f"evaluate = 'sites' is not supported with the asynchronous strategy "
-                f"{strategy.name!r} yet; evaluate on the task's test set (evaluate = 'server')"
-            )
-        return "off"
     if not clients_hold_out:
         log.warning(
             "the task has no test set and the clients hold no held-out data: no evaluation "
@@ -63,6 +57,16 @@ def where_to_evaluate_sim(
         )
         return "off"
     return "sites"
+
+
+def clients_hold_out(
+    config: SimConfig, task: Task, train: Dataset, population: ClientPopulation
+) -> bool:
+    """Whether the clients have held-out data to evaluate on (`eval_fraction`, or the
+    task's `client_test_data` for the first client's share)."""
+    if config.eval_fraction > 0:
+        return True
+    return task.client_test_data(population.dataset(train, population.ids[0])) is not None
 
 
 def evaluate_clients(
@@ -75,10 +79,14 @@ def evaluate_clients(
     *,
     per_site: bool = True,
     secure: SecureAggregation | None = None,
+    personalize_epochs: int = 0,
 ) -> dict[str, Any]:
     """The record keys of one federated evaluation of `global_state` (with `secure`:
-    summed under SecAgg+ masks, the federation's totals only)."""
-    chosen = strategy.configure_evaluate(server_round, population.ids, rng)
+    summed under SecAgg+ masks, the federation's totals only; with
+    `personalize_epochs`, each client's personalized figures too)."""
+    chosen = ask_to_personalize(
+        strategy.configure_evaluate(server_round, population.ids, rng), personalize_epochs
+    )
     if not chosen:
         return federated_record({}, {}, [], per_site=False)
     results, missing = _evaluate(backend, population, server_round, chosen, global_state)

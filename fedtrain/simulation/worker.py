@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from torch.utils.data import Dataset
 from fedtrain.datasources import holdout
 from fedtrain.errors import UpdateRejected
 from fedtrain.evaluation import check_eval_result, eval_metrics
+from fedtrain.personalize import epochs_to_spend, personalized_evaluation, with_personalized
 from fedtrain.simulation.client_state import ClientStateStore
 from fedtrain.simulation.config import SimConfig
 from fedtrain.simulation.events import ClientResult, ClientsDone, ShareDone, WorkerEvent
@@ -162,14 +164,29 @@ class ClientRunner:
         self, client_id: str, config: RoundConfig, global_state: ModelState
     ) -> ClientResult:
         """One client's evaluation of the global model on its held-out data, as a
-        result whose metrics hold `loss` (rejected: the client holds none)."""
+        result whose metrics hold `loss` (rejected: the client holds none), and its
+        personalized figures when `config` asks (`fedtrain.personalize`: a copy trained
+        on the client's training split, its client state lent as a copy)."""
         self.current_client = client_id
-        test = self.client_data(client_id).test
+        data = self.client_data(client_id)
+        test = data.test
         if test is None or len(test) == 0:  # type: ignore[arg-type]
             return ClientResult(client_id, 0, rejected="holds no held-out examples")
         global_state.load_into(self.model, self.federated)
         context = TaskContext(device=self.device, client_id=client_id, seed=self.seed)
         result = self.task.evaluate(self.model, test, config, context)
+        epochs = epochs_to_spend(config, sys.maxsize, f"client {client_id}")
+        if epochs:
+            mine = personalized_evaluation(
+                self.task,
+                self.model,
+                data.train,
+                test,
+                config,
+                dataclasses.replace(context, client_state=self.states.get(client_id)),
+                epochs,
+            )
+            result = with_personalized(result, mine)
         try:
             check_eval_result(result, f"client {client_id}")
         except ValueError as exc:  # e.g. a Flower client whose evaluate() reports 0 examples

@@ -136,3 +136,34 @@ def test_a_run_directory_written_before_the_one_record_still_renders(tmp_path):
     assert "<td>2</td><td></td><td></td><td>3</td><td>2</td><td>1</td><td>0</td>" in text
     assert "<td>3</td><td>0.9</td><td>0.3</td><td>3</td><td>3</td><td>0</td><td>0</td>" in text
     assert "<th>final accuracy</th><td>0.9000</td>" in text
+
+
+def test_report_of_a_personalized_evaluation_draws_both_curves_and_states_the_final_one(
+    tmp_path,
+):
+    raw = {
+        "task": "fedtrain.examples:SyntheticTask",
+        "task_options": {"num_train": 600, "num_test": 0},
+        "eval_fraction": 0.25,
+        "rounds": 3,
+        "num_clients": 4,
+        "partition": {"kind": "labels", "labels_per_client": 1},
+        "client": {"lr": 0.1},
+    }
+    for name, epochs in (("run", 2), ("plain", 0)):
+        config = {**raw, "personalize_epochs": epochs, "run_dir": str(tmp_path / name)}
+        history = run_simulation(from_dict(SimConfig, config)).history
+        if epochs:
+            last = history[-1]
+    text = write_report(tmp_path / "run").read_text()
+    assert (
+        f"<th>final personalized accuracy</th><td>{last['personalized_accuracy']:.4f} "
+        f"(fine-tuned at the sites: {last['eval_examples']} of {last['eval_examples']} "
+        "held-out examples)</td>" in text
+    )
+    assert "<th>personalized_accuracy</th>" in text
+    assert "personalized_accuracy" not in write_report(tmp_path / "plain").read_text()
+    for name in ("accuracy.png", "site_accuracy.png"):  # the same global curves, plus dashed
+        mine = (tmp_path / "run" / "report" / name).read_bytes()
+        theirs = (tmp_path / "plain" / "report" / name).read_bytes()
+        assert mine.startswith(PNG) and mine != theirs

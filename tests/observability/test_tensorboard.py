@@ -77,3 +77,23 @@ def test_missing_tensorboard_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ConfigError, match=r"pip install 'fedtrain\[tensorboard\]'"):
         TensorBoardWriter(tmp_path)
+
+
+def test_personalized_figures_are_evaluation_scalars_and_prometheus_gauges():
+    from prometheus_client import generate_latest
+
+    from fedtrain.observability.metrics import ServerMetrics
+    from fedtrain.observability.status import ServerState
+
+    record = {"round": 3, "accuracy": 0.7, "personalized_accuracy": 0.9, "personalized_loss": 0.2}
+    assert scalars(record) == {
+        "eval/accuracy": 0.7,
+        "eval/personalized_accuracy": 0.9,
+        "eval/personalized_loss": 0.2,
+    }
+    state = ServerState("run", "task", "waiting", 3, 1, 5, 3, 2, False, "", False)
+    metrics = ServerMetrics(lambda: state, lambda: (0, 0))
+    metrics.on_round(record)
+    text = generate_latest(metrics.registry).decode()
+    assert "fedtrain_eval_personalized_accuracy 0.9" in text
+    assert "fedtrain_eval_personalized_loss 0.2" in text

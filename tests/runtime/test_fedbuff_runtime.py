@@ -64,3 +64,45 @@ def test_slow_site_never_holds_back_the_fast_ones_and_its_stale_updates_weigh_le
     completed = dep.audit("round_completed")
     assert [r["round"] for r in completed] == list(range(1, VERSIONS + 1))
     assert len({r["model_version"] for r in completed}) == VERSIONS
+
+
+def test_sites_evaluate_between_their_jobs_every_eval_every_versions(tmp_path: Path) -> None:
+    """No test set on the server: every 2nd version the three sites evaluate it on their
+    held-out fifth between jobs; no job is lost or expires for it."""
+    from held_out_sites import SITES, site_data
+
+    with Deployment(
+        tmp_path,
+        "runtime_support:HeldOutTask",
+        secure=False,
+        rounds=6,
+        eval_every=2,
+        strategy={
+            "name": "fedbuff",
+            "min_fit_clients": 1,
+            "min_available_clients": 3,
+            "options": {"buffer_size": 2},
+        },
+        client={"epochs": 1, "batch_size": 16, "lr": 0.1},
+    ) as dep:
+        dep.start_server()
+        for i, name in enumerate(SITES):
+            dep.start_site(name, data=site_data(i))
+        assert dep.wait_server(90) == 0, dep.log("server")
+        dep.close()
+    metrics = dep.metrics()
+    assert [r["round"] for r in metrics] == list(range(1, 7))
+    evaluated = [r for r in metrics if r["accuracy"] is not None]
+    assert [r["round"] for r in evaluated] == [2, 4, 6]
+    for record in evaluated:
+        sites = record["site_metrics"]
+        assert record["eval_source"] == "sites" and sorted(sites) == list(SITES)
+        assert record["eval_missing"] == []
+        n = sum(s["examples"] for s in sites.values())
+        mean = sum(s["examples"] * s["accuracy"] for s in sites.values()) / n
+        assert record["accuracy"] == pytest.approx(mean, abs=1e-12)
+    assert not dep.audit("job_expired")
+    # jobs still under way when the last version is made are refused ("the run is over")
+    errors = [e["message"] for e in dep.audit("site_error")]
+    assert all("the run is over" in message for message in errors), errors
+    assert len(dep.audit("update_buffered")) >= 2 * 6

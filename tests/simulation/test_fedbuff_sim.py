@@ -144,3 +144,31 @@ def test_the_example_config_builds_fedbuff():
     assert isinstance(strategy, FedBuff) and strategy.asynchronous
     assert (strategy.buffer_size, strategy.concurrency) == (10, 20)
     assert config.heterogeneity.speed_range == [1.0, 10.0]
+
+
+def test_without_a_test_set_the_clients_evaluate_every_eval_every_versions(make_config):
+    common = {
+        **ASYNC,
+        "task_options": {"num_train": 1200, "num_test": 0},
+        "eval_fraction": 0.25,
+        "strategy": {**ASYNC["strategy"], "fraction_evaluate": 0.5},
+    }
+    result = run_simulation(make_config("evaluated", **common))
+    history = result.history
+    evaluated = [r for r in history if r["accuracy"] is not None]
+    assert [r["round"] for r in evaluated] == [2, 4, 6]
+    for record in evaluated:
+        sites = record["site_metrics"]
+        assert record["eval_source"] == "sites" and len(sites) == 6 == record["eval_sites"]
+        n = sum(s["examples"] for s in sites.values())
+        mean = sum(s["examples"] * s["accuracy"] for s in sites.values()) / n
+        assert record["accuracy"] == pytest.approx(mean, abs=1e-12)
+    assert evaluated[-1]["accuracy"] > 0.6
+    # evaluating between jobs never changes who trains, when, or what the model becomes
+    unevaluated = run_simulation(make_config("off", **{**common, "evaluate": "off"}))
+    assert [r["round"] for r in unevaluated.history if r["accuracy"] is not None] == []
+    keys = ("sim_time", "client_updates", "staleness_max")
+    assert [[r[k] for k in keys] for r in history] == [
+        [r[k] for k in keys] for r in unevaluated.history
+    ]
+    assert result.model.digest() == unevaluated.model.digest()

@@ -38,6 +38,11 @@ def test_a_slow_pace_reads_as_seconds_per_client_never_zero_clients_per_second()
     assert pace(2.5) == "2.5 clients/s" and pace(0.05) == "20.0 s/client"
 
 
+def test_the_round_line_puts_the_personalized_accuracy_beside_the_global_one():
+    line = describe({"round": 4, "accuracy": 0.71, "personalized_accuracy": 0.93, "clients": 3})
+    assert line.startswith("round 4 | accuracy 0.7100 | personalized 0.9300 | 3 clients")
+
+
 def test_the_round_line_says_how_far_along_and_how_long_is_left(monkeypatch, caplog):
     clock = [100.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: clock[0])

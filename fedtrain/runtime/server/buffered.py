@@ -16,8 +16,11 @@ servicer's `upload_rejected`) and counted in the version's metrics. The K-th upd
 swaps in a fresh buffer at once (uploads keep folding while the full one is applied),
 and the coordinator thread turns the full buffer into the next version: publish,
 hand the waiting sites their next jobs, evaluate, checkpoint (with the version's
-metrics record, as a round's), log. The buffer that makes the run's last version is
-the last one: once it is full the run is closed to uploads, so an update that
+metrics record, as a round's), log. A federated evaluation (every `eval_every`
+versions) asks the chosen sites between their jobs: the site runs it before its
+next job, while the updates of jobs under way keep folding; its instruction's
+`round` is a fresh job number (`instruction_number`). The buffer that makes the
+run's last version is the last one: once it is full the run is closed to uploads, so an update that
 arrives while that version is being made is refused (`upload_rejected`) instead of
 being folded into a buffer no version would apply.
 
@@ -244,6 +247,14 @@ class BufferedRounds:
         for index in sorted(chosen.tolist()):
             if not idle[index].closed:
                 self._hand_out(idle[index])
+
+    def instruction_number(self) -> int:
+        """A fresh instruction `round` for an EVALUATE: from the jobs' numbers, so that a
+        site's error report (which names only that number) is one job's or one
+        evaluation's, never both."""
+        with self._cond:
+            self.numbered += 1
+            return self.numbered
 
     def _hand_out(self, session: Session) -> None:
         model = self.coordinator.global_model

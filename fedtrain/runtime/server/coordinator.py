@@ -35,6 +35,7 @@ from fedtrain.evaluation import (
     where_to_evaluate,
 )
 from fedtrain.export import save_final_model
+from fedtrain.personalize import ask_to_personalize
 from fedtrain.privacy.accounting import PrivacyAccountant
 from fedtrain.round_record import RoundRecord, finished
 from fedtrain.run_dir import RunDir
@@ -164,7 +165,7 @@ class Coordinator:
         self.federated = federated_names(task, self._eval_model)
         #: The task's test set, loaded only where the server may evaluate on it.
         self.test_data = task.datasets()[1] if config.evaluate in ("auto", "server") else None
-        self.evaluate_at = self._where_to_evaluate(config, strategy)
+        self.evaluate_at = self._where_to_evaluate(config)
         #: The federated evaluation in progress (reports from sites go to it), or None.
         self.evaluation: EvaluationRound | None = None
         #: The secure federated evaluation in progress (stage messages go to it), or None.
@@ -217,28 +218,16 @@ class Coordinator:
         if strategy.asynchronous:
             self.current = BufferedRounds(self)
 
-    def _where_to_evaluate(self, config: ServerConfig, strategy: Strategy) -> str:
+    def _where_to_evaluate(self, config: ServerConfig) -> str:
         """`evaluate` resolved: "server", "sites" or "off", with why when it is off.
 
-        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`).
-        FedBuff's sites train without pause, so an evaluation would displace their
-        jobs: not supported yet."""
+        Under secure aggregation the sites evaluate securely (`secure_evaluation.py`);
+        under FedBuff (never secure) between their jobs (`buffered.py`)."""
         where = where_to_evaluate(config.evaluate, self.test_data is not None)
         if where != "sites":
             if config.evaluate == "server" and where == "off":
                 log.warning("evaluate = 'server' but the task has no test set: no evaluation")
             return where
-        if strategy.asynchronous:
-            if config.evaluate == "sites":
-                raise ConfigError(
-                    f"evaluate = 'sites' is not supported with the asynchronous strategy "
-                    f"{strategy.name!r} yet (its sites train continuously); use a test set "
-                    "on the server (evaluate = 'server') or a synchronous strategy"
-                )
-            log.warning(
-                "the task has no test set and %s runs asynchronously: no evaluation", strategy.name
-            )
-            return "off"
         log.info(
             "the global model is evaluated at the sites (federated evaluation%s) every %d "
             "round(s), on their held-out sets",
@@ -660,7 +649,10 @@ class Coordinator:
         answer is missing, never a failure of the round."""
         model = self.global_model
         able = [s.site for s in self.registry.sessions() if EVALUATE_CAPABILITY in s.capabilities]
-        plan = self.strategy.configure_evaluate(server_round, able, self.rng)
+        plan = ask_to_personalize(
+            self.strategy.configure_evaluate(server_round, able, self.rng),
+            self.config.personalize_epochs,
+        )
         if not plan:
             log.warning(
                 "round %d: no evaluation: %d connected site(s) hold a held-out set, "
@@ -701,7 +693,7 @@ class Coordinator:
         (each counted site's result, why each other site is missing)."""
         weights = self.config.weights
         state = EvaluationRound(
-            server_round,
+            self._evaluation_number(server_round),
             model.version,
             plan,
             time.monotonic() + self.config.eval_timeout_s,
@@ -722,6 +714,12 @@ class Coordinator:
                 "round %d: site %r is left out of the evaluation: %s", server_round, site, why
             )
         return results, missing
+
+    def _evaluation_number(self, server_round: int) -> int:
+        """The `round` an EVALUATE carries: the round, or under FedBuff (whose TRAIN
+        instructions carry job numbers) a fresh job number."""
+        state = self.current
+        return state.instruction_number() if isinstance(state, BufferedRounds) else server_round
 
     def _cross_site_validation(self) -> None:
         """`cross_site.py` after the last round (`cross_site_validation`; never under

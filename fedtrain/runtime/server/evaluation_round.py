@@ -6,7 +6,10 @@ version and waits, on a condition, until every chosen site has answered, failed 
 left, or `eval_timeout_s` passes. A site that vanishes or fails is *missing* from
 the evaluation, never a failure of the round: the round's model is already final.
 The sites download the model they will train from next round anyway, so evaluating
-it costs them no extra transfer (the version is cached for the next TRAIN).
+it costs them no extra transfer (the version is cached for the next TRAIN). Under
+FedBuff the sites evaluate between their jobs, and `server_round` is then a fresh job
+number (`BufferedRounds.instruction_number`), so a site's error report names one job
+or this evaluation.
 
 A report is checked before it counts: from a site that was asked, for this round
 and model version, once, with at least one example, an example count under the

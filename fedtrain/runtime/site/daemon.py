@@ -52,6 +52,7 @@ from fedtrain.evaluation import (
     check_eval_result,
 )
 from fedtrain.parallel import TorchrunGroup
+from fedtrain.personalize import epochs_to_spend, personalized_evaluation, with_personalized
 from fedtrain.runtime import rpc, secagg_identity, tls, wire
 from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
@@ -245,12 +246,15 @@ class SiteDaemon:
         #: The cached version when it is the server's reference model of that version
         #: (from a delta download): the next download may then be only the change.
         self._reference = ""
-        #: (model version, its held-out metrics): a version is evaluated once.
-        self._evaluated: tuple[str, EvalResult] | None = None
+        #: ((model version, personalization epochs), its held-out metrics): a version
+        #: is evaluated once.
+        self._evaluated: tuple[tuple[str, int], EvalResult] | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
         self._call: grpc.Call | None = None
-        self._job: tuple[Link, pb.Instruction] | None = None
+        #: The next TRAIN and the next EVALUATE not yet started, each replaced by a newer
+        #: one of its kind (under FedBuff an evaluation arrives while a job is pending).
+        self._jobs: dict[int, tuple[Link, pb.Instruction]] = {}
         self._job_ready = threading.Condition()
         # the codec the server asked for, kept across reconnects (top-k's residual)
         self._compression: tuple[CompressionSettings, Codec] | None = None
@@ -569,22 +573,29 @@ class SiteDaemon:
             link.report(instruction.round, refusal)
             return
         with self._job_ready:
-            self._job = (link, instruction)
+            self._jobs[instruction.kind] = (link, instruction)
             self._job_ready.notify()
 
     def _train_loop(self) -> None:
         while True:
             with self._job_ready:
-                while self._job is None and not self._stop.is_set():
+                while not self._jobs and not self._stop.is_set():
                     self._job_ready.wait()
                 if self._stop.is_set():
                     return
-                link, instruction = self._job  # type: ignore[misc]
-                self._job = None
-            if instruction.kind == pb.EVALUATE:
-                self._run_evaluation(link, instruction)
-            else:
+                # an evaluation first: it is short, and the server waits for it
+                kind = pb.EVALUATE if pb.EVALUATE in self._jobs else pb.TRAIN
+                link, instruction = self._jobs.pop(kind)
+            if instruction.kind != pb.EVALUATE:
                 self._run_instruction(link, instruction)
+            elif instruction.deadline_unix and time.time() > instruction.deadline_unix:
+                log.info(
+                    "round %d: evaluation not started: its deadline passed while this site "
+                    "trained (the server has closed it)",
+                    instruction.round,
+                )
+            else:
+                self._run_evaluation(link, instruction)
 
     def _run_instruction(self, link: Link, instruction: pb.Instruction) -> None:
         server_round = instruction.round
@@ -655,7 +666,7 @@ class SiteDaemon:
             assert self.model is not None
             global_state.load_into(self.model, self.federated)
             ev = self._held_out(
-                wire.config_from_proto(instruction.config), instruction.model_version
+                wire.config_from_proto(instruction.config), instruction.model_version, server_round
             )
             assert ev is not None  # the capability is advertised only with a held-out set
             check_eval_result(ev, f"site {self.name!r}, round {server_round}")
@@ -682,12 +693,18 @@ class SiteDaemon:
             log.exception("round %d: evaluation failed at this site", server_round)
             link.report(server_round, f"evaluation: {type(exc).__name__}: {exc}")
 
-    def _held_out(self, config: RoundConfig, version: str) -> EvalResult | None:
-        """The loaded model (version `version`) on the held-out set; once per version."""
+    def _held_out(
+        self, config: RoundConfig, version: str, server_round: int = 0
+    ) -> EvalResult | None:
+        """The loaded model (version `version`) on the held-out set, with its
+        personalized figures when `config` asks and the site allows it
+        (`fedtrain.personalize`); once per (version, personalization)."""
         if self.eval_data is None or self.model is None:
             return None
+        where = f"round {server_round}: evaluation"
+        epochs = epochs_to_spend(config, self.config.personalize_max_epochs, where)
         done = self._evaluated
-        if done is not None and done[0] == version:
+        if done is not None and done[0] == (version, epochs):
             return done[1]
         ev = self.task.evaluate(self.model, self.eval_data, config, self.context)
         log.info(
@@ -697,7 +714,22 @@ class SiteDaemon:
             ev.loss,
             ev.metrics,
         )
-        self._evaluated = (version, ev)
+        if epochs:
+            assert self.data is not None
+            context = replace(self.context, seed=fresh_training_seed())
+            mine = personalized_evaluation(
+                self.task, self.model, self.data, self.eval_data, config, context, epochs
+            )
+            log.info(
+                "model %s personalized (%d epochs) on the held-out set (%d examples): loss %r %s",
+                version[:12],
+                epochs,
+                mine.num_examples,
+                mine.loss,
+                mine.metrics,
+            )
+            ev = with_personalized(ev, mine)
+        self._evaluated = ((version, epochs), ev)
         return ev
 
     def _train(
