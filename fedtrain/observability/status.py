@@ -19,6 +19,9 @@ from rich.table import Table
 #: What the server is doing. Prometheus exports one `fedtrain_phase{phase=...}` per value.
 PHASES = ("waiting", "training", "aggregating", "between_rounds", "finished", "stopped", "failed")
 
+#: `ServerState.bytes`: received = accepted + discarded + resent + still in flight.
+BYTE_KEYS = ("received", "sent", "accepted", "discarded", "resent")
+
 PHASE_TEXT = {
     "waiting": "waiting for sites to connect",
     "training": "round in progress (sites train and upload)",
@@ -31,6 +34,24 @@ PHASE_TEXT = {
 
 
 @dataclass(frozen=True)
+class TransferState:
+    """A transfer in flight: `direction` "down" (model) or "up" (update)."""
+
+    direction: str
+    done_bytes: int
+    total_bytes: int  # 0: not known yet
+    bps: float | None  # over the last few seconds (None: too early to say)
+    idle_s: float  # since its last byte
+
+    def describe(self) -> str:
+        """ "up 12.5/40.0 MB 9.8 Mbit/s", with "idle 21s" once it has been quiet a while."""
+        done = f"{self.done_bytes / 1e6:.1f}"
+        size = f"{done}/{self.total_bytes / 1e6:.1f} MB" if self.total_bytes else f"{done} MB"
+        idle = f", idle {self.idle_s:.0f}s" if self.idle_s >= 2 else ""
+        return f"{self.direction} {size} {_mbit(self.bps)} Mbit/s{idle}"
+
+
+@dataclass(frozen=True)
 class SiteState:
     name: str
     connected_for_s: float
@@ -38,6 +59,7 @@ class SiteState:
     #: The site's link as the server measured it (bytes/s; None until measured).
     down_bps: float | None = None
     up_bps: float | None = None
+    transfers: tuple[TransferState, ...] = ()
 
     def link(self) -> str:
         """ "down 12.3 / up 4.5 Mbit/s", or "" before any transfer was measured."""
@@ -69,6 +91,8 @@ class ServerState:
     last_metrics: Mapping[str, float] = field(default_factory=dict)
     #: Sites connected; `sites` may list only a page of them (large federations).
     connected_sites: int = 0
+    #: Tensor bytes since the server started (`BYTE_KEYS`).
+    bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def connected(self) -> int:
@@ -94,7 +118,18 @@ def _summary(state: ServerState) -> list[tuple[str, str]]:
         ("sites", _sites_line(state)),
         ("secure aggregation", "on" if state.secagg else "off"),
         ("model", state.model_version[:12]),
+        *([("bytes", _bytes_line(state.bytes))] if state.bytes else []),
     ]
+
+
+def _bytes_line(split: Mapping[str, int]) -> str:
+    """ "in 120.0 MB (accepted 80.0, discarded 38.0, resent 2.0), out 160.0 MB"."""
+
+    def mb(key: str) -> str:
+        return f"{split.get(key, 0) / 1e6:.1f}"
+
+    kept = ", ".join(f"{key} {mb(key)}" for key in ("accepted", "discarded", "resent"))
+    return f"in {mb('received')} MB ({kept}), out {mb('sent')} MB"
 
 
 def _sites_line(state: ServerState) -> str:
@@ -113,9 +148,10 @@ def render_text(state: ServerState) -> str:
     lines = [f"{key}: {value}" for key, value in _summary(state)]
     for site in state.sites:
         link = f", link {site.link()}" if site.link() else ""
+        moving = "".join(f", {t.describe()}" for t in site.transfers)
         lines.append(
             f"site {site.name}: connected {site.connected_for_s:.0f}s, last heard "
-            f"{site.last_heartbeat_age_s:.1f}s ago{link}"
+            f"{site.last_heartbeat_age_s:.1f}s ago{link}{moving}"
         )
     if state.last_metrics:
         done = _value(state.last_metrics.get("round", state.rounds_completed))
@@ -138,12 +174,14 @@ def render_rich(state: ServerState, console: Console) -> None:
     sites.add_column("connected for", justify="right")
     sites.add_column("last heard", justify="right")
     sites.add_column("link (measured)", justify="right")
+    sites.add_column("transfer", justify="right")
     for site in state.sites:
         sites.add_row(
             site.name,
             f"{site.connected_for_s:.0f} s",
             f"{site.last_heartbeat_age_s:.1f} s ago",
             site.link() or "-",
+            "; ".join(t.describe() for t in site.transfers) or "-",
         )
     parts: list[Table] = [overview, sites]
     if state.last_metrics:

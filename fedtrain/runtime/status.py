@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from fedtrain.errors import FedtrainError
-from fedtrain.observability.status import ServerState, SiteState
+from fedtrain.observability.status import ServerState, SiteState, TransferState
 from fedtrain.runtime import rpc
 from fedtrain.runtime.peer_auth import ClientIdentity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -59,11 +59,22 @@ def to_proto(state: ServerState) -> pb.StatusReply:
                 last_heartbeat_age_s=s.last_heartbeat_age_s,
                 down_bps=s.down_bps or 0.0,
                 up_bps=s.up_bps or 0.0,
+                transfers=[
+                    pb.TransferStatus(
+                        direction=t.direction,
+                        done_bytes=t.done_bytes,
+                        total_bytes=t.total_bytes,
+                        bps=t.bps or 0.0,
+                        idle_s=t.idle_s,
+                    )
+                    for t in s.transfers
+                ],
             )
             for s in state.sites
         ],
         last_metrics=dict(state.last_metrics),
         connected_sites=state.connected,
+        bytes=dict(state.bytes),
     )
 
 
@@ -87,11 +98,16 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
                 s.last_heartbeat_age_s,
                 s.down_bps or None,  # 0: not measured
                 s.up_bps or None,
+                tuple(
+                    TransferState(t.direction, t.done_bytes, t.total_bytes, t.bps or None, t.idle_s)
+                    for t in s.transfers
+                ),
             )
             for s in reply.sites
         ),
         last_metrics=dict(reply.last_metrics),
         connected_sites=reply.connected_sites,
+        bytes=dict(reply.bytes),
     )
 
 
