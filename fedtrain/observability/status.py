@@ -45,10 +45,9 @@ class TransferState:
 
     def describe(self) -> str:
         """ "up 12.5/40.0 MB 9.8 Mbit/s", with "idle 21s" once it has been quiet a while."""
-        done = f"{self.done_bytes / 1e6:.1f}"
-        size = f"{done}/{self.total_bytes / 1e6:.1f} MB" if self.total_bytes else f"{done} MB"
+        size = amount(self.done_bytes, self.total_bytes, "/")
         idle = f", idle {self.idle_s:.0f}s" if self.idle_s >= 2 else ""
-        return f"{self.direction} {size} {_mbit(self.bps)} Mbit/s{idle}"
+        return f"{self.direction} {size} {mbit(self.bps)} Mbit/s{idle}"
 
 
 @dataclass(frozen=True)
@@ -65,11 +64,23 @@ class SiteState:
         """ "down 12.3 / up 4.5 Mbit/s", or "" before any transfer was measured."""
         if self.down_bps is None and self.up_bps is None:
             return ""
-        return f"down {_mbit(self.down_bps)} / up {_mbit(self.up_bps)} Mbit/s"
+        return f"down {mbit(self.down_bps)} / up {mbit(self.up_bps)} Mbit/s"
 
 
-def _mbit(bps: float | None) -> str:
+def mbit(bps: float | None) -> str:
+    """Bytes per second as Mbit/s ("?" while unknown)."""
     return "?" if bps is None else f"{bps * 8 / 1e6:.1f}"
+
+
+def amount(done: int, total: int, of: str = " of ") -> str:
+    """ "12.5 of 40.0 MB" (the unit suits the total), or "12.5 MB" while it is unknown."""
+    largest = max(done, total)
+    scale, unit = next(
+        ((s, u) for s, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if largest >= s), (1, "B")
+    )
+    digits = 0 if scale == 1 else 1
+    part = f"{done / scale:.{digits}f}"
+    return f"{part}{of}{total / scale:.{digits}f} {unit}" if total else f"{part} {unit}"
 
 
 @dataclass(frozen=True)

@@ -59,9 +59,7 @@ def test_plain_text_has_one_fact_per_line():
         "site hospital-a: connected 125s, last heard 0.4s ago, link down 100.0 / up 10.0 Mbit/s"
         ", up 12.5/40.0 MB 9.8 Mbit/s, idle 21s" in lines
     )
-    assert (
-        "bytes: in 120.0 MB (accepted 80.0, discarded 38.0, resent 2.0), out 160.0 MB" in lines
-    )
+    assert "bytes: in 120.0 MB (accepted 80.0, discarded 38.0, resent 2.0), out 160.0 MB" in lines
     assert "site hospital-b: connected 60s, last heard 1.2s ago" in lines  # not measured yet
     assert lines[-1] == "last round (2): accuracy 0.9123, bytes 2048"
     waiting = dataclasses.replace(STATE, phase="waiting", round=2, attempt=0, sites=())
@@ -69,7 +67,7 @@ def test_plain_text_has_one_fact_per_line():
 
 
 def test_rich_tables_and_json_carry_the_same_state():
-    console = Console(record=True, width=100)
+    console = Console(record=True, width=160)
     render_rich(STATE, console)
     text = console.export_text()
     for needle in ("hospital-a", "hospital-b", "3 of 10 in progress", "last round (2)", "0.9123"):

@@ -40,13 +40,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fedtrain.observability.status import mbit
 from fedtrain.runtime.config import TransfersConfig
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.links import Estimate, LinkEstimates
 from fedtrain.runtime.server.rounds import Outcome, RoundState
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
-from fedtrain.runtime.server.transfer_watch import describe, mbit
+from fedtrain.runtime.server.transfer_watch import describe
 from fedtrain.secagg import Stage
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from fedtrain.observability.status import amount, mbit
 from fedtrain.runtime.config import TransfersConfig
 from fedtrain.runtime.server.links import LinkEstimates, TransferMeter
 
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 #: A transfer's recent rate is its bytes over about this many seconds of samples.
 RATE_WINDOW_S = 5.0
-MB = 1e6
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,7 @@ class _Notes:
 def describe(meter: TransferMeter) -> str:
     """ "upload 12.5 of 40.0 MB", or "upload 12.5 MB" while its size is unknown."""
     what = "download" if meter.direction == "down" else "upload"
-    if meter.total:
-        return f"{what} {meter.done / MB:.1f} of {meter.total / MB:.1f} MB"
-    return f"{what} {meter.done / MB:.1f} MB"
-
-
-def mbit(bps: float | None) -> str:
-    return "?" if bps is None else f"{bps * 8 / 1e6:.1f}"
+    return f"{what} {amount(meter.done, meter.total)}"
 
 
 class TransferWatch:

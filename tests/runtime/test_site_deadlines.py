@@ -1,0 +1,320 @@
+"""Per-site deadlines: a chosen site whose link was measured gets its own deadline
+(estimate x slack + floor); past it, a site that stalls or crawls is dropped from the
+round and audited with the numbers, one still moving at its rate is kept; and what
+the operator sees of transfers in flight (log, `fedtrain status`, Prometheus)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, inprocess_server, scrape
+
+from fedtrain.runtime.config import TransfersConfig
+from fedtrain.runtime.demo import free_port
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.audit import AuditLog, read_audit
+from fedtrain.runtime.server.links import LinkEstimates
+from fedtrain.runtime.server.rounds import Outcome, RoundState
+from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.site_deadlines import SiteDeadlines
+from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.transfer_watch import Watched
+from fedtrain.runtime.status import SitePage
+from fedtrain.strategy import WeightedSum
+from fedtrain.task import task_fingerprint
+from fedtrain.tensors import ModelState
+
+MB = 1_000_000
+
+
+def measure(links: LinkEstimates, site: str, down_bps: float, up_bps: float, size: int) -> None:
+    """`site`'s link as a round of its own would have measured it (compute ~0)."""
+    links.record(site, "down", size, size / down_bps, whole=True)
+    links.upload_started(site)
+    links.record(site, "up", size, size / up_bps, whole=True)
+
+
+class Round:
+    """A round of `sites` with per-site deadlines, driven by the test's clock."""
+
+    def __init__(
+        self, tmp_path: Path, sites: list[str], *, needed: int = 1, grace_s: float = 0.0, **cfg
+    ) -> None:
+        self.links = LinkEstimates()
+        self.registry = SessionRegistry()
+        self.audit_path = tmp_path / "audit.jsonl"
+        self.audit = AuditLog(self.audit_path)
+        self.sessions = {site: Session(site, "peer-" + site) for site in sites}
+        for session in self.sessions.values():
+            self.registry.add(session)
+        self.state = RoundState(
+            round=4,
+            attempt=1,
+            model_version="v",
+            plan={site: {} for site in sites},
+            tokens={site: s.token for site, s in self.sessions.items()},
+            aggregate=WeightedSum(()),
+            deadline=time.monotonic() + 600,
+        )
+        config = TransfersConfig(**{"deadline_slack": 2.0, "deadline_floor_s": 5.0, **cfg})
+        self.deadlines = SiteDeadlines(self.links, self.registry, self.audit, config, grace_s)
+        self.cut: list[str] = []
+        self.deadlines.on_drop(lambda session, reason: self.cut.append(session.site))
+        self.t0 = time.monotonic()
+
+    def begin(self, size: int = 40 * MB) -> dict:
+        return self.deadlines.begin(self.state, self.t0, self.state.deadline, 1, size, size)
+
+    def uploading(self, site: str, *, bps: float | None, idle_s: float, at: float) -> None:
+        """`site` has an upload in flight, last sampled `at` s into the round."""
+        meter = self.links.live(site, "up") or self.links.meter(site, "up")
+        meter.expect(40 * MB)
+        meter.add(12_500_000 - meter.nbytes)
+        meter.watched = Watched(bps, self.t0 + at - idle_s)
+
+    def enforce(self, at: float) -> list[str]:
+        return self.deadlines.enforce(self.t0 + at)
+
+    def dropped_records(self) -> list[dict]:
+        self.audit.close()
+        return [r for r in read_audit(self.audit_path) if r["event"] == "site_dropped"]
+
+
+def test_a_stalled_site_is_dropped_at_its_own_deadline_with_the_numbers(tmp_path) -> None:
+    r = Round(tmp_path, ["fast", "slow", "new"])
+    measure(r.links, "fast", 100 * MB, 100 * MB, 40 * MB)  # 0.8 s: 2 x 0.8 + 5 = 6.6 s
+    measure(r.links, "slow", 4 * MB, 1 * MB, 40 * MB)  # 10 + 40 = 50 s: 105 s
+    deadlines = r.begin()
+    assert sorted(deadlines) == ["fast", "slow"]  # "new" is not measured: round deadline
+    assert deadlines["slow"].allowed_s == pytest.approx(105.0, rel=0.01)
+    r.uploading("slow", bps=None, idle_s=0, at=30)
+    for session in r.sessions.values():  # heartbeats arrive: no outage
+        session.last_seen = r.t0 + 106
+    # the fast site, still without an upload 100 s in, computes far longer than measured
+    assert r.enforce(at=100) == ["fast"]  # the slow one is not due yet
+    r.uploading("slow", bps=0.0, idle_s=45, at=106)  # no byte for 45 s
+    assert r.enforce(at=106) == ["slow"]
+    assert r.state.outcomes["slow"] is Outcome.DROPPED and r.cut == ["fast", "slow"]
+    fast, record = r.dropped_records()
+    assert fast["reason"].endswith("no transfer in flight (its compute was measured at 0s)")
+    assert record["site"] == "slow" and record["round"] == 4
+    assert record["deadline_s"] == pytest.approx(105, abs=1)
+    assert record["reason"].startswith(
+        "106s into round 4, past its deadline 105s (estimated 50s at 8.0 Mbit/s x slack 2 + 5s)"
+    )
+    assert "stalled, no bytes for 45s (upload 12.5 of 40.0 MB)" in record["reason"]
+    assert r.enforce(at=700) == []  # "new" has only the round's deadline
+    assert r.state.outcomes["new"] is Outcome.PENDING
+
+
+def test_a_site_still_moving_at_its_measured_rate_is_kept_past_its_deadline(tmp_path) -> None:
+    r = Round(tmp_path, ["a", "b"])
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)  # deadline 105 s, upload measured 1 MB/s
+    r.begin()
+    r.sessions["a"].last_seen = r.t0 + 112  # heartbeats arrive: no outage
+    r.uploading("a", bps=0.6 * MB, idle_s=0.5, at=110)  # slower, but above 1 MB/s / 2
+    assert r.enforce(at=110) == []
+    r.uploading("a", bps=None, idle_s=0.0, at=111)  # a new stream: too early to say
+    assert r.enforce(at=111) == []
+    r.uploading("a", bps=0.2 * MB, idle_s=0.5, at=112)  # now it crawls
+    assert r.enforce(at=112) == ["a"]
+    (record,) = r.dropped_records()
+    assert "upload 12.5 of 40.0 MB at 1.6 Mbit/s, its link measured 8.0 Mbit/s" in record["reason"]
+
+
+def test_an_outage_is_judged_by_the_grace_and_its_length_added_to_the_deadline(
+    tmp_path,
+) -> None:
+    r = Round(tmp_path, ["a", "b"], grace_s=90.0)
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)
+    r.begin()
+    session = r.sessions["a"]
+    assert r.registry.detach(session)  # its link failed: away, within heartbeat.grace_s
+    assert r.enforce(at=150) == []
+    session.last_seen -= 60  # it went quiet 60 s before it rejoined
+    assert r.registry.rejoin(session.token, "a", b"", "peer-2") is session
+    assert session.outage_s >= 60
+    session.touch()
+    session.last_seen = r.t0 + 160  # heard from again
+    r.uploading("a", bps=0.0, idle_s=30, at=160)
+    assert r.enforce(at=160) == []  # 105 s + the outage: not due yet
+    due = 105 + session.outage_s + 1
+    session.last_seen = r.t0 + due
+    assert r.enforce(at=due) == ["a"]
+
+
+def test_a_silent_site_is_presumed_in_an_outage_only_when_a_grace_is_configured(
+    tmp_path,
+) -> None:
+    for grace_s, dropped in ((90.0, []), (0.0, ["a"])):
+        r = Round(tmp_path / str(grace_s), ["a", "b"], grace_s=grace_s)
+        measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)
+        r.begin()
+        r.sessions["a"].last_seen = r.t0  # nothing heard from it since the round began
+        assert r.enforce(at=120) == dropped
+
+
+def test_a_site_is_never_dropped_when_the_round_would_then_fail(tmp_path) -> None:
+    r = Round(tmp_path, ["a", "b"])
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)
+    r.deadlines.begin(r.state, r.t0, r.state.deadline, 2, 40 * MB, 40 * MB)  # needs both
+    r.sessions["a"].last_seen = r.t0 + 200
+    assert r.enforce(at=200) == []
+    assert r.state.outcomes["a"] is Outcome.PENDING
+
+
+def test_no_deadline_without_a_complete_estimate_or_when_off_or_beyond_the_round(
+    tmp_path,
+) -> None:
+    r = Round(tmp_path, ["a", "b", "c"])
+    r.links.record("a", "down", 40 * MB, 10.0, whole=True)  # no upload measured yet
+    r.links.record("b", "up", 40 * MB, 10.0, whole=True)  # no download, no compute
+    measure(r.links, "c", 0.1 * MB, 0.1 * MB, 40 * MB)  # 800 s x 2: past the round's 600 s
+    assert r.begin() == {}
+    off = Round(tmp_path / "off", ["a", "b"], deadline_slack=0.0)
+    measure(off.links, "a", 4 * MB, 1 * MB, 40 * MB)
+    assert off.begin() == {}
+
+
+# -- the real server ------------------------------------------------------------------------
+def _plant(server, *sites: str, bps: float, up_bps: float | None = None) -> None:
+    """Links as an earlier round over `bps` links would have measured them."""
+    nbytes = server.coordinator.global_model.state.nbytes
+    for site in sites:
+        measure(server.coordinator.links, site, bps, up_bps or bps, nbytes)
+
+
+def _dropped(tmp_path: Path) -> list[dict]:
+    return [r for r in read_audit(tmp_path / "run" / "audit.jsonl") if r["event"] == "site_dropped"]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_stalled_upload_is_dropped_long_before_the_round_deadline_and_the_round_completes(
+    tmp_path, stop_after, caplog
+) -> None:
+    """The stuck site takes its go-ahead, sends one chunk and nothing more while its
+    control stream stays alive: dropped at its own deadline (seconds), audited with the
+    numbers, logged as stalled; `fedtrain status` showed the upload's progress;
+    Prometheus splits the bytes; the round completes with the honest site."""
+    caplog.set_level(logging.INFO, logger="fedtrain")
+    task = TinyTask()
+    port = free_port()
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=2,
+        rounds=1,
+        round_timeout_s=60.0,
+        metrics_port=port,
+        strategy={"min_fit_clients": 1},
+        transfers={"deadline_slack": 2.0, "deadline_floor_s": 2.5, "stall_s": 1.0},
+    )
+    stop_after.append(server)
+    _plant(server, "honest", "stuck", bps=1000.0)
+    fingerprint = task_fingerprint(task)
+    honest, stuck = (
+        FakeSite(server.port, "honest", fingerprint),
+        FakeSite(server.port, "stuck", fingerprint),
+    )
+    stop_after += [honest, stuck]
+    version = stuck.expect("instruction").instruction.model_version
+    honest.expect("instruction")
+    started = time.monotonic()
+    delta = ModelState(
+        {k: torch.full_like(v, 0.5) for k, v in server.coordinator.global_model.state.items()}
+    )
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    release = threading.Event()
+
+    def stalls() -> Iterator[pb.UpdateChunk]:
+        yield stuck.header(1, model_version=version)
+        yield chunks[0]
+        release.wait(50)
+
+    call = stuck.stub.UploadUpdate.future(stalls(), timeout=55)
+    try:
+        shown = None
+        while shown is None and time.monotonic() - started < 10:
+            page = server_state(server.coordinator, server.registry, SitePage(limit=None))
+            site = next(s for s in page.sites if s.name == "stuck")
+            shown = next((t for t in site.transfers if t.done_bytes), None)
+            time.sleep(0.05)
+        assert shown is not None and shown.direction == "up"
+        assert (shown.done_bytes, shown.total_bytes) == (CHUNK, delta.nbytes)
+        honest.upload([honest.header(1, model_version=version), *chunks])
+        assert server.wait(30), "the round waited for the stuck site"
+        took = time.monotonic() - started
+    finally:
+        release.set()
+        call.cancel()
+    assert took < 20  # round_timeout_s is 60
+    (dropped,) = [
+        r for r in read_audit(tmp_path / "run" / "audit.jsonl") if r["event"] == "site_dropped"
+    ]
+    assert dropped["site"] == "stuck" and dropped["round"] == 1
+    assert "past its deadline" in dropped["reason"] and "x slack 2 + 2.5s" in dropped["reason"]
+    assert server.coordinator.last_metrics["clients"] == 1
+    log = caplog.text
+    assert "transfer stalled: no bytes from site 'stuck' for" in log
+    assert f"(upload {CHUNK} of {delta.nbytes} B)" in log
+    samples = scrape(port)
+    assert samples['fedtrain_received_bytes_by_outcome_total{outcome="accepted"}'] == delta.nbytes
+    assert samples['fedtrain_received_bytes_by_outcome_total{outcome="discarded"}'] == CHUNK
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_a_site_late_but_moving_at_its_rate_is_not_dropped(tmp_path, stop_after) -> None:
+    """The steady site starts its upload late (past most of its allowance) and sends
+    at about its measured rate: past its deadline it is still moving, so it is kept
+    and its update counts."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=2,
+        rounds=1,
+        round_timeout_s=60.0,
+        strategy={"min_fit_clients": 1},
+        transfers={"deadline_slack": 2.0, "deadline_floor_s": 0.5, "stall_s": 2.5},
+    )
+    stop_after.append(server)
+    nbytes = server.coordinator.global_model.state.nbytes  # 5 chunks
+    rate = nbytes / 2.5  # measured: the whole update in 2.5 s
+    _plant(server, "fast", bps=1000.0)
+    _plant(server, "steady", bps=1000.0, up_bps=rate)  # allowance 2 x 2.5 + 0.5 = ~5.5 s
+    fingerprint = task_fingerprint(task)
+    fast, steady = (
+        FakeSite(server.port, "fast", fingerprint),
+        FakeSite(server.port, "steady", fingerprint),
+    )
+    stop_after += [fast, steady]
+    version = steady.expect("instruction").instruction.model_version
+    fast.expect("instruction")
+    delta = ModelState(
+        {k: torch.full_like(v, 0.5) for k, v in server.coordinator.global_model.state.items()}
+    )
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    fast.upload([fast.header(1, model_version=version), *chunks])
+    time.sleep(4.0)  # "trains" far longer than measured
+
+    def paced() -> Iterator[pb.UpdateChunk]:
+        yield steady.header(1, model_version=version)
+        for chunk in chunks:
+            time.sleep(2.5 / len(chunks) * 0.8)  # a little faster than measured
+            yield chunk
+
+    receipt = steady.stub.UploadUpdate(paced(), timeout=30)
+    assert receipt.bytes_received == nbytes
+    assert server.wait(30)
+    assert server.coordinator.last_metrics["clients"] == 2
+    assert not [
+        r for r in read_audit(tmp_path / "run" / "audit.jsonl") if r["event"] == "site_dropped"
+    ]
