@@ -82,8 +82,9 @@ class TransfersConfig:
         "far slower than measured (under its measured rate / this) is dropped from the "
         "round then, audited with the numbers (`site_dropped`), so the round does not "
         "wait for round_timeout_s on it; one still moving at that rate is kept. Sites "
-        "not measured yet, and sites in an outage (heartbeat.grace_s judges those), have "
-        "only round_timeout_s. 0: off (only round_timeout_s).",
+        "not measured yet have only round_timeout_s; an outage (judged by heartbeat."
+        "grace_s) is added to a site's deadline, up to grace_s per round attempt. 0: off "
+        "(only round_timeout_s).",
     )
     deadline_floor_s: float = option(
         30.0,

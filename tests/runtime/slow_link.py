@@ -1,5 +1,7 @@
 """A TCP proxy on 127.0.0.1 that moves at most `rate` bytes per second each way: one
-site's slow link, for tests of what the server does about it."""
+site's slow link, for tests of what the server does about it. `up_rate`, when set,
+paces the site-to-server direction instead; both may change while it runs (a link
+that degrades)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ class SlowLink:
 
     def __init__(self, target_port: int, rate: float) -> None:
         self.target_port, self.rate = target_port, rate
+        self.up_rate: float | None = None
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -46,15 +49,20 @@ class SlowLink:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer, up=True),
+            self._pipe(up_reader, writer, up=False),
+            return_exceptions=True,
         )
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool
+    ) -> None:
         try:
             while data := await reader.read(PIECE):
                 writer.write(data)
                 await writer.drain()
-                await asyncio.sleep(len(data) / self.rate)
+                rate = (self.up_rate if up else None) or self.rate
+                await asyncio.sleep(len(data) / rate)
         finally:
             writer.close()
             with contextlib.suppress(Exception):

@@ -147,6 +147,21 @@ def test_an_outage_is_judged_by_the_grace_and_its_length_added_to_the_deadline(
     due = 105 + session.outage_s + 1
     session.last_seen = r.t0 + due
     assert r.enforce(at=due) == ["a"]
+    (record,) = r.dropped_records()
+    assert f", + {session.outage_s:.0f}s in outages)" in record["reason"]
+
+
+def test_outages_are_forgiven_up_to_the_grace_in_all(tmp_path) -> None:
+    """A link whose heartbeats keep getting stuck (silent, away, rejoin, again) is
+    judged once its outages add up to heartbeat.grace_s."""
+    r = Round(tmp_path, ["a", "b"], grace_s=20.0)
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)
+    r.begin()
+    session = r.sessions["a"]
+    session.outage_s += 15  # outages it came back from
+    session.last_seen = r.t0 + 100  # quiet since: an outage now, at 110 s
+    assert r.enforce(at=110) == []  # 15 + 10 > 20: the grace is spent, yet not due
+    assert r.enforce(at=126) == ["a"]  # 105 + 20
 
 
 def test_a_silent_site_is_presumed_in_an_outage_only_when_a_grace_is_configured(
@@ -318,3 +333,63 @@ def test_a_site_late_but_moving_at_its_rate_is_not_dropped(tmp_path, stop_after)
     assert not [
         r for r in read_audit(tmp_path / "run" / "audit.jsonl") if r["event"] == "site_dropped"
     ]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_site_whose_link_degrades_is_dropped_at_its_own_deadline_in_a_real_deployment(
+    tmp_path: Path,
+) -> None:
+    """Round 1 measures the slow site's link (1 MB/s) and compute; in round 2 its uplink
+    falls to 10 kB/s: its upload (2 MB: over three minutes) is cut at its own deadline
+    (seconds), audited with the numbers, and the round completes with the other two long
+    before round_timeout_s. Its heartbeats get stuck behind its own upload, so the
+    server sees it silent, away and back again: those outages are forgiven only up to
+    heartbeat.grace_s."""
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # the sites and the server import benchmarks.flat_task
+    from runtime_support import Deployment, wait_for
+    from slow_link import SlowLink
+
+    task = {"num_params": 500_000}  # 2 MB each way
+    with (
+        Deployment(
+            tmp_path,
+            "benchmarks.flat_task:FlatTask",
+            task_options=task,
+            allowed_sites=["fast-a", "fast-b", "slow"],
+            strategy={"min_fit_clients": 2, "min_available_clients": 3},
+            rounds=2,
+            round_timeout_s=120.0,
+            heartbeat={"interval_s": 0.5, "timeout_s": 5.0, "grace_s": 8.0},
+            transfers={"deadline_slack": 2.0, "deadline_floor_s": 3.0, "stall_s": 5.0},
+        ) as dep,
+        SlowLink(dep.port, rate=1_000_000) as link,
+    ):
+        dep.start_server()
+        for name in ("fast-a", "fast-b"):
+            dep.start_site(name, task_options=task)
+        slow = dep.site_toml("slow", task_options=task)
+        slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
+        dep.start_site("slow", slow)
+        wait_for(
+            lambda: any(r["site"] == "slow" for r in dep.audit("upload")),
+            120,
+            "the slow site's round-1 upload",
+        )
+        link.up_rate = 10_000  # its uplink degrades
+        assert dep.wait_server(200) == 0, dep.log("server")
+        dropped = dep.audit("site_dropped")
+        metrics = dep.metrics()
+        log = dep.log("server")
+
+    assert [(r["site"], r["round"]) for r in dropped] == [("slow", 2)]
+    reason = dropped[0]["reason"]
+    assert "past its deadline" in reason and "x slack 2 + 3s, + 8s in outages)" in reason
+    assert [m["round"] for m in metrics] == [1, 2]
+    assert metrics[1]["clients"] == 2 and metrics[1]["dropped"] == ["slow"]
+    assert metrics[1]["seconds"] < 60  # round_timeout_s is 120
+    assert "site 'slow' dropped:" in log

@@ -64,7 +64,8 @@ class Estimate:
     up_s: float = 0.0
     down_bps: float | None = None
     up_bps: float | None = None
-    #: Every part measured (download, compute and upload): enough to size a deadline.
+    #: Every part measured (download, compute and upload; a whole download too quick
+    #: to time counts as instant): enough to size a deadline.
     complete: bool = False
 
     def describe(self, deadline_s: float) -> str:
@@ -276,7 +277,8 @@ class LinkEstimates:
             up_s=up_s,
             down_bps=down_bps,
             up_bps=up_bps,
-            complete=down_bps is not None and bool(up_s) and link.computed,
+            # a whole download too quick to time (the network's buffers took it) is instant
+            complete=(down_bps is not None or link.down_bytes > 0) and bool(up_s) and link.computed,
         )
 
     def plan_round(

@@ -13,9 +13,14 @@ CPU pool runs `enforce`):
 
 * still moving bytes at no less than its measured rate / slack, with a byte in the
   last `stall_s`: kept (a slow moment is not a stalled link; checked again later);
-* in an outage (its session away, or silent past two heartbeats while an outage
-  grace is configured): not judged; `heartbeat.timeout_s` and `grace_s` decide its
-  fate, and the time it was away is added to its deadline when it rejoins;
+* in an outage (its session away, or silent past two heartbeats, while an outage
+  grace is configured): not judged, `heartbeat.timeout_s` and `grace_s` decide its
+  fate; the outage's length is added to its deadline when it comes back. The outage
+  grace promises that a cut link shorter than it drops nobody, and resumable
+  transfers make such a cut cost only its length, so it is not held against the
+  site's link. Outages are forgiven up to `grace_s` per attempt in all: a link so
+  congested that its heartbeats keep getting stuck behind its own upload (silent,
+  away, rejoin, again) is then judged like any other;
 * otherwise (stalled, crawling, or computing far longer than measured) dropped from
   the attempt, audited `site_dropped` with the numbers; its transfers are cut
   (`on_drop` listeners), so it spends no more bytes on the round.
@@ -174,19 +179,21 @@ class SiteDeadlines:
         if state.tokens.get(site) != session.token:
             return 0
         deadline = attempt.deadlines[site]
-        at = attempt.started + deadline.allowed_s + session.outage_s - deadline.outage_s
+        outage = self._outage(session, now)
+        forgiven = min(self.grace_s, session.outage_s - deadline.outage_s + outage)
+        if outage and forgiven < self.grace_s:
+            return now + RECHECK_S  # in an outage: heartbeat.grace_s judges it
+        at = attempt.started + deadline.allowed_s + forgiven
         if isinstance(state, SecureRoundState):
             stage, opened = state.masked.server.stage, state.masked.stage_opened
             if stage is not Stage.MASKED_INPUT:
                 return now + RECHECK_S if stage < Stage.MASKED_INPUT else 0
             upload = deadline.estimate.up_s * self.config.deadline_slack
             at = max(at, opened + upload + self.config.deadline_floor_s)
-        if session.detached_at is not None or self._silent(session, now):
-            return now + RECHECK_S  # an outage: heartbeat.grace_s judges it
         if session.queued:
             return now + RECHECK_S  # waiting for one of the server's transfer slots
-        if at > now:
-            return at
+        if at > now:  # an outage under way may yet end shorter: look again soon
+            return min(at, now + RECHECK_S) if outage else at
         why = self._why_late(site, deadline.estimate, now)
         if why is None:
             return now + RECHECK_S
@@ -199,7 +206,9 @@ class SiteDeadlines:
             f"{elapsed:.0f}s into round {state.round}, past its deadline "
             f"{at - attempt.started:.0f}s (estimated {deadline.estimate.seconds:.0f}s at "
             f"{mbit(deadline.estimate.slowest_bps)} Mbit/s x slack "
-            f"{self.config.deadline_slack:g} + {self.config.deadline_floor_s:g}s): {why}"
+            f"{self.config.deadline_slack:g} + {self.config.deadline_floor_s:g}s"
+            + (f", + {forgiven:.0f}s in outages" if forgiven else "")
+            + f"): {why}"
         )
         if not state.settle(session, Outcome.DROPPED):
             return 0
@@ -218,9 +227,15 @@ class SiteDeadlines:
             listener(session, reason)
         return None
 
-    def _silent(self, session: Session, now: float) -> bool:
-        """Presumed in an outage: quiet past two heartbeats while a grace is configured."""
-        return self.grace_s > 0 and now - session.last_seen > 2 * session.heartbeat_interval_s
+    def _outage(self, session: Session, now: float) -> float:
+        """Seconds of the outage `session` is in now (away, or quiet past two heartbeats,
+        while an outage grace is configured); 0: none."""
+        if not self.grace_s:
+            return 0.0
+        if session.detached_at is not None:
+            return now - min(session.last_seen, session.detached_at)
+        quiet = now - session.last_seen
+        return quiet if quiet > 2 * session.heartbeat_interval_s else 0.0
 
     def _why_late(self, site: str, estimate: Estimate, now: float) -> str | None:
         """Why a site past its deadline is dropped, or None: it still moves bytes at its
