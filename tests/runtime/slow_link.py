@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from runtime_support import Deployment
 
 from fedtrain.runtime.demo import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PIECE = 16 * 1024
 
@@ -67,3 +75,31 @@ class SlowLink:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+@contextlib.contextmanager
+def fast_and_slow(
+    root: Path, task_options: dict[str, Any], rate: float, **server: Any
+) -> Iterator[tuple[Deployment, SlowLink]]:
+    """A `FlatTask` deployment (TLS): sites fast-a and fast-b dial the server, site slow
+    dials it through a `SlowLink` at `rate`; all started. The round needs 2 of the 3."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the sites and the server import benchmarks.flat_task
+    with (
+        Deployment(
+            root,
+            "benchmarks.flat_task:FlatTask",
+            task_options=task_options,
+            allowed_sites=["fast-a", "fast-b", "slow"],
+            strategy={"min_fit_clients": 2, "min_available_clients": 3},
+            **server,
+        ) as dep,
+        SlowLink(dep.port, rate=rate) as link,
+    ):
+        dep.start_server()
+        for name in ("fast-a", "fast-b"):
+            dep.start_site(name, task_options=task_options)
+        slow = dep.site_toml("slow", task_options=task_options)
+        slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
+        dep.start_site("slow", slow)
+        yield dep, link

@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, inprocess_server, scrape
+from runtime_support import (
+    CHUNK,
+    FakeSite,
+    TinyTask,
+    chunk_messages,
+    inprocess_server,
+    scrape,
+    wait_for,
+)
+from slow_link import fast_and_slow
 
 from fedtrain.runtime.config import TransfersConfig
 from fedtrain.runtime.demo import free_port
@@ -198,11 +207,31 @@ def test_no_deadline_without_a_complete_estimate_or_when_off_or_beyond_the_round
 
 
 # -- the real server ------------------------------------------------------------------------
-def _plant(server, *sites: str, bps: float, up_bps: float | None = None) -> None:
-    """Links as an earlier round over `bps` links would have measured them."""
-    nbytes = server.coordinator.global_model.state.nbytes
-    for site in sites:
-        measure(server.coordinator.links, site, bps, up_bps or bps, nbytes)
+def _two_sites(
+    tmp_path: Path, stop_after: list, links: dict[str, tuple[float, float]], **server_config
+) -> tuple:
+    """An in-process server (round 1 of 1, 60 s, one update needed) whose links measured
+    each site's (down, up) bytes/s in an earlier round, and two FakeSites told to train:
+    (server, sites, the round's model version, an update's chunk messages)."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path,
+        task,
+        sites=2,
+        rounds=1,
+        round_timeout_s=60.0,
+        strategy={"min_fit_clients": 1},
+        **server_config,
+    )
+    stop_after.append(server)
+    state = server.coordinator.global_model.state
+    for site, (down, up) in links.items():
+        measure(server.coordinator.links, site, down, up, state.nbytes)
+    sites = tuple(FakeSite(server.port, name, task_fingerprint(task)) for name in links)
+    stop_after.extend(sites)
+    versions = {site.expect("instruction").instruction.model_version for site in sites}
+    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in state.items()})
+    return server, sites, versions.pop(), chunk_messages(delta.chunks(CHUNK))
 
 
 def _dropped(tmp_path: Path) -> list[dict]:
@@ -219,33 +248,16 @@ def test_a_stalled_upload_is_dropped_long_before_the_round_deadline_and_the_roun
     numbers, logged as stalled; `fedtrain status` showed the upload's progress;
     Prometheus splits the bytes; the round completes with the honest site."""
     caplog.set_level(logging.INFO, logger="fedtrain")
-    task = TinyTask()
     port = free_port()
-    server = inprocess_server(
+    server, (honest, stuck), version, chunks = _two_sites(
         tmp_path,
-        task,
-        sites=2,
-        rounds=1,
-        round_timeout_s=60.0,
+        stop_after,
+        {"honest": (1000.0, 1000.0), "stuck": (1000.0, 1000.0)},
         metrics_port=port,
-        strategy={"min_fit_clients": 1},
         transfers={"deadline_slack": 2.0, "deadline_floor_s": 2.5, "stall_s": 1.0},
     )
-    stop_after.append(server)
-    _plant(server, "honest", "stuck", bps=1000.0)
-    fingerprint = task_fingerprint(task)
-    honest, stuck = (
-        FakeSite(server.port, "honest", fingerprint),
-        FakeSite(server.port, "stuck", fingerprint),
-    )
-    stop_after += [honest, stuck]
-    version = stuck.expect("instruction").instruction.model_version
-    honest.expect("instruction")
     started = time.monotonic()
-    delta = ModelState(
-        {k: torch.full_like(v, 0.5) for k, v in server.coordinator.global_model.state.items()}
-    )
-    chunks = chunk_messages(delta.chunks(CHUNK))
+    nbytes = server.coordinator.global_model.state.nbytes
     release = threading.Event()
 
     def stalls() -> Iterator[pb.UpdateChunk]:
@@ -262,7 +274,7 @@ def test_a_stalled_upload_is_dropped_long_before_the_round_deadline_and_the_roun
             shown = next((t for t in site.transfers if t.done_bytes), None)
             time.sleep(0.05)
         assert shown is not None and shown.direction == "up"
-        assert (shown.done_bytes, shown.total_bytes) == (CHUNK, delta.nbytes)
+        assert (shown.done_bytes, shown.total_bytes) == (CHUNK, nbytes)
         honest.upload([honest.header(1, model_version=version), *chunks])
         assert server.wait(30), "the round waited for the stuck site"
         took = time.monotonic() - started
@@ -270,17 +282,15 @@ def test_a_stalled_upload_is_dropped_long_before_the_round_deadline_and_the_roun
         release.set()
         call.cancel()
     assert took < 20  # round_timeout_s is 60
-    (dropped,) = [
-        r for r in read_audit(tmp_path / "run" / "audit.jsonl") if r["event"] == "site_dropped"
-    ]
+    (dropped,) = _dropped(tmp_path)
     assert dropped["site"] == "stuck" and dropped["round"] == 1
     assert "past its deadline" in dropped["reason"] and "x slack 2 + 2.5s" in dropped["reason"]
     assert server.coordinator.last_metrics["clients"] == 1
     log = caplog.text
     assert "transfer stalled: no bytes from site 'stuck' for" in log
-    assert f"(upload {CHUNK} of {delta.nbytes} B)" in log
+    assert f"(upload {CHUNK} of {nbytes} B)" in log
     samples = scrape(port)
-    assert samples['fedtrain_received_bytes_by_outcome_total{outcome="accepted"}'] == delta.nbytes
+    assert samples['fedtrain_received_bytes_by_outcome_total{outcome="accepted"}'] == nbytes
     assert samples['fedtrain_received_bytes_by_outcome_total{outcome="discarded"}'] == CHUNK
 
 
@@ -290,33 +300,14 @@ def test_a_site_late_but_moving_at_its_rate_is_not_dropped(tmp_path, stop_after)
     """The steady site starts its upload late (past most of its allowance) and sends
     at about its measured rate: past its deadline it is still moving, so it is kept
     and its update counts."""
-    task = TinyTask()
-    server = inprocess_server(
+    nbytes = ModelState.from_module(TinyTask().model()).nbytes  # 5 chunks
+    rate = nbytes / 2.5  # measured: the whole update in 2.5 s
+    server, (fast, steady), version, chunks = _two_sites(
         tmp_path,
-        task,
-        sites=2,
-        rounds=1,
-        round_timeout_s=60.0,
-        strategy={"min_fit_clients": 1},
+        stop_after,
+        {"fast": (1000.0, 1000.0), "steady": (1000.0, rate)},  # 2 x 2.5 + 0.5 = ~5.5 s
         transfers={"deadline_slack": 2.0, "deadline_floor_s": 0.5, "stall_s": 2.5},
     )
-    stop_after.append(server)
-    nbytes = server.coordinator.global_model.state.nbytes  # 5 chunks
-    rate = nbytes / 2.5  # measured: the whole update in 2.5 s
-    _plant(server, "fast", bps=1000.0)
-    _plant(server, "steady", bps=1000.0, up_bps=rate)  # allowance 2 x 2.5 + 0.5 = ~5.5 s
-    fingerprint = task_fingerprint(task)
-    fast, steady = (
-        FakeSite(server.port, "fast", fingerprint),
-        FakeSite(server.port, "steady", fingerprint),
-    )
-    stop_after += [fast, steady]
-    version = steady.expect("instruction").instruction.model_version
-    fast.expect("instruction")
-    delta = ModelState(
-        {k: torch.full_like(v, 0.5) for k, v in server.coordinator.global_model.state.items()}
-    )
-    chunks = chunk_messages(delta.chunks(CHUNK))
     fast.upload([fast.header(1, model_version=version), *chunks])
     time.sleep(4.0)  # "trains" far longer than measured
 
@@ -346,35 +337,16 @@ def test_a_site_whose_link_degrades_is_dropped_at_its_own_deadline_in_a_real_dep
     before round_timeout_s. Its heartbeats get stuck behind its own upload, so the
     server sees it silent, away and back again: those outages are forgiven only up to
     heartbeat.grace_s."""
-    import sys
-
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))  # the sites and the server import benchmarks.flat_task
-    from runtime_support import Deployment, wait_for
-    from slow_link import SlowLink
-
     task = {"num_params": 500_000}  # 2 MB each way
-    with (
-        Deployment(
-            tmp_path,
-            "benchmarks.flat_task:FlatTask",
-            task_options=task,
-            allowed_sites=["fast-a", "fast-b", "slow"],
-            strategy={"min_fit_clients": 2, "min_available_clients": 3},
-            rounds=2,
-            round_timeout_s=120.0,
-            heartbeat={"interval_s": 0.5, "timeout_s": 5.0, "grace_s": 8.0},
-            transfers={"deadline_slack": 2.0, "deadline_floor_s": 3.0, "stall_s": 5.0},
-        ) as dep,
-        SlowLink(dep.port, rate=1_000_000) as link,
-    ):
-        dep.start_server()
-        for name in ("fast-a", "fast-b"):
-            dep.start_site(name, task_options=task)
-        slow = dep.site_toml("slow", task_options=task)
-        slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
-        dep.start_site("slow", slow)
+    with fast_and_slow(
+        tmp_path,
+        task,
+        1_000_000,
+        rounds=2,
+        round_timeout_s=120.0,
+        heartbeat={"interval_s": 0.5, "timeout_s": 5.0, "grace_s": 8.0},
+        transfers={"deadline_slack": 2.0, "deadline_floor_s": 3.0, "stall_s": 5.0},
+    ) as (dep, link):
         wait_for(
             lambda: any(r["site"] == "slow" for r in dep.audit("upload")),
             120,
