@@ -24,17 +24,21 @@ from runtime_support import (
 )
 from slow_link import fast_and_slow
 
-from fedtrain.runtime.config import TransfersConfig
+from fedtrain.config import from_dict
+from fedtrain.runtime.config import SecAggServerSettings, TransfersConfig
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.audit import AuditLog, read_audit
 from fedtrain.runtime.server.links import LinkEstimates
 from fedtrain.runtime.server.rounds import Outcome, RoundState
+from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.site_deadlines import SiteDeadlines
 from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.transfer_watch import Watched
 from fedtrain.runtime.status import SitePage
+from fedtrain.secagg import Stage
+from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
@@ -53,7 +57,13 @@ class Round:
     """A round of `sites` with per-site deadlines, driven by the test's clock."""
 
     def __init__(
-        self, tmp_path: Path, sites: list[str], *, needed: int = 1, grace_s: float = 0.0, **cfg
+        self,
+        tmp_path: Path,
+        sites: list[str],
+        *,
+        grace_s: float = 0.0,
+        secure: bool = False,
+        **cfg,
     ) -> None:
         self.links = LinkEstimates()
         self.registry = SessionRegistry()
@@ -62,15 +72,27 @@ class Round:
         self.sessions = {site: Session(site, "peer-" + site) for site in sites}
         for session in self.sessions.values():
             self.registry.add(session)
-        self.state = RoundState(
-            round=4,
-            attempt=1,
-            model_version="v",
-            plan={site: {} for site in sites},
-            tokens={site: s.token for site, s in self.sessions.items()},
-            aggregate=WeightedSum(()),
-            deadline=time.monotonic() + 600,
-        )
+        common = {
+            "round": 4,
+            "attempt": 1,
+            "model_version": "v",
+            "plan": {site: {} for site in sites},
+            "tokens": {site: s.token for site, s in self.sessions.items()},
+            "deadline": time.monotonic() + 600,
+        }
+        if secure:
+            specs = ModelState({"w": torch.zeros(8)}).specs
+            self.state = SecureRoundState(
+                **common,
+                aggregate=WeightedSum(tuple(specs)),
+                settings=from_dict(SecAggServerSettings, {"enabled": True}),
+                layout=UpdateLayout.of(specs),
+                sessions=self.sessions,
+                audit=self.audit,
+                min_included=2,
+            )
+        else:
+            self.state = RoundState(**common, aggregate=WeightedSum(()))
         config = TransfersConfig(**{"deadline_slack": 2.0, "deadline_floor_s": 5.0, **cfg})
         self.deadlines = SiteDeadlines(self.links, self.registry, self.audit, config, grace_s)
         self.cut: list[str] = []
@@ -191,6 +213,24 @@ def test_a_site_is_never_dropped_when_the_round_would_then_fail(tmp_path) -> Non
     r.sessions["a"].last_seen = r.t0 + 200
     assert r.enforce(at=200) == []
     assert r.state.outcomes["a"] is Outcome.PENDING
+
+
+def test_under_secure_aggregation_a_site_is_judged_only_while_it_may_upload(tmp_path) -> None:
+    """A masked update can go up only once the masked-input stage opened (the others'
+    keys are in): before, no site is judged; then it has at least its upload's
+    allowance from the stage's opening, and a dropped site is a dropout of that stage."""
+    r = Round(tmp_path, ["a", "b", "c"], secure=True)
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)  # deadline 105 s; upload 2 x 40 + 5 s
+    r.begin()
+    assert isinstance(r.state, SecureRoundState)
+    r.sessions["a"].last_seen = r.t0 + 300
+    assert r.enforce(at=200) == []  # still in key agreement: it cannot upload yet
+    masked = r.state.masked
+    masked.server._stage = Stage.MASKED_INPUT  # the key stages closed (a test's shortcut)
+    masked.stage_opened = r.t0 + 200
+    assert r.enforce(at=250) == []  # 200 + 85 s for its upload
+    assert r.enforce(at=290) == ["a"]
+    assert "a" in r.state._gone()  # a dropout of the masked-input stage
 
 
 def test_no_deadline_without_a_complete_estimate_or_when_off_or_beyond_the_round(

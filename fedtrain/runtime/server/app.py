@@ -288,9 +288,12 @@ class AggregationServer:
         CPU pool judge the sites past their own deadline (it takes the round's lock)."""
         while True:
             await asyncio.sleep(TRANSFER_TICK_S)
-            self.transfer_watch.tick()
-            if self.coordinator.deadlines.due() and not self._enforcing.locked():
-                self._cpu.submit(self._enforce_deadlines)
+            try:
+                self.transfer_watch.tick()
+                if self.coordinator.deadlines.due() and not self._enforcing.locked():
+                    self._cpu.submit(self._enforce_deadlines)
+            except Exception:  # what the operator sees must never stop what it watches
+                log.exception("watching the transfers in flight failed; trying again")
 
     def _enforce_deadlines(self) -> None:
         with self._enforcing:

@@ -143,9 +143,12 @@ class SiteDeadlines:
     def due(self, now: float | None = None) -> bool:
         """Whether a site's deadline passed and it waits to be judged (cheap: the loop asks)."""
         attempt = self._attempt
-        if attempt is None or not attempt.due or attempt.state.closed:
+        if attempt is None or attempt.state.closed:
             return False
-        return attempt.due[0][0] <= (time.monotonic() if now is None else now)
+        try:  # `enforce` may empty the heap on the pool meanwhile
+            return attempt.due[0][0] <= (time.monotonic() if now is None else now)
+        except IndexError:
+            return False
 
     def enforce(self, now: float | None = None) -> list[str]:
         """Judge every site whose deadline passed; the sites dropped."""
