@@ -21,7 +21,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedtrain.runtime.server.transfer_watch import Watched
 
 #: A site's figures are a moving average: one slow transfer (a busy moment) does not
 #: condemn a site, a lasting change shows within a few rounds.
@@ -102,7 +105,7 @@ class TransferMeter:
         self.total = 0
         self.before = 0
         #: What `transfer_watch.TransferWatch` last saw of it (replaced whole, read anywhere).
-        self.watched: Any = None
+        self.watched: Watched | None = None
 
     @property
     def site(self) -> str:

@@ -615,7 +615,10 @@ class FedtrainServicer:
             and round_state.model_version == model.version
         ):
             round_state = None  # not a download for a training round's deadline
-        elif round_state.outcomes.get(session.site) is Outcome.DROPPED:
+        elif (
+            round_state.tokens.get(session.site) == session.token
+            and round_state.outcomes.get(session.site) is Outcome.DROPPED
+        ):
             await _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
