@@ -25,6 +25,7 @@ from runtime_support import (
 from slow_link import fast_and_slow
 
 from fedtrain.config import from_dict
+from fedtrain.observability.status import render_text
 from fedtrain.runtime.config import SecAggServerSettings, TransfersConfig
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -34,9 +35,8 @@ from fedtrain.runtime.server.rounds import Outcome, RoundState
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.site_deadlines import SiteDeadlines
-from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.transfer_watch import Watched
-from fedtrain.runtime.status import SitePage
+from fedtrain.runtime.status import fetch_status
 from fedtrain.secagg import Stage
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import WeightedSum
@@ -309,12 +309,13 @@ def test_a_stalled_upload_is_dropped_long_before_the_round_deadline_and_the_roun
     try:
         shown = None
         while shown is None and time.monotonic() - started < 10:
-            page = server_state(server.coordinator, server.registry, SitePage(limit=None))
-            site = next(s for s in page.sites if s.name == "stuck")
+            status = fetch_status(f"127.0.0.1:{server.port}", None)  # `fedtrain status`
+            site = next(s for s in status.sites if s.name == "stuck")
             shown = next((t for t in site.transfers if t.done_bytes), None)
             time.sleep(0.05)
         assert shown is not None and shown.direction == "up"
         assert (shown.done_bytes, shown.total_bytes) == (CHUNK, nbytes)
+        assert f"up {CHUNK}/{nbytes} B" in render_text(status)
         honest.upload([honest.header(1, model_version=version), *chunks])
         assert server.wait(30), "the round waited for the stuck site"
         took = time.monotonic() - started
