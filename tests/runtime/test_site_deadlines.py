@@ -30,12 +30,11 @@ from fedtrain.runtime.config import SecAggServerSettings, TransfersConfig
 from fedtrain.runtime.demo import free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.audit import AuditLog, read_audit
-from fedtrain.runtime.server.links import LinkEstimates
+from fedtrain.runtime.server.links import LinkEstimates, Watched
 from fedtrain.runtime.server.rounds import Outcome, RoundState
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.site_deadlines import SiteDeadlines
-from fedtrain.runtime.server.transfer_watch import Watched
 from fedtrain.runtime.status import fetch_status
 from fedtrain.secagg import Stage
 from fedtrain.secagg.updates import UpdateLayout

@@ -21,10 +21,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fedtrain.runtime.server.transfer_watch import Watched
 
 #: A site's figures are a moving average: one slow transfer (a busy moment) does not
 #: condemn a site, a lasting change shows within a few rounds.
@@ -76,6 +72,20 @@ class Estimate:
             f"estimated {self.seconds:.0f}s at {self.slowest_bps * 8 / 1e6:.1f} Mbit/s "
             f"> deadline {deadline_s:.0f}s"
         )
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the watch last saw of one transfer (`transfer_watch.py`; a snapshot:
+    replaced whole, so any thread may read it)."""
+
+    #: Bytes per second over the last `transfer_watch.RATE_WINDOW_S` (None: too early).
+    bps: float | None
+    #: time.monotonic() when its byte count last grew (or it began).
+    last_moved: float
+
+    def idle_s(self, now: float) -> float:
+        return max(0.0, now - self.last_moved)
 
 
 def _smooth(old: float | None, new: float) -> float:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from fedtrain.observability.status import amount, mbit
 from fedtrain.runtime.config import TransfersConfig
-from fedtrain.runtime.server.links import LinkEstimates, TransferMeter
+from fedtrain.runtime.server.links import LinkEstimates, TransferMeter, Watched
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +29,6 @@ log = logging.getLogger(__name__)
 TICK_S = 1.0
 #: A transfer's recent rate is its bytes over about this many seconds of samples.
 RATE_WINDOW_S = 5.0
-
-
-@dataclass(frozen=True)
-class Watched:
-    """What the watch last saw of one transfer (a snapshot: replaced whole, so any
-    thread may read it)."""
-
-    #: Bytes per second over the last `RATE_WINDOW_S` (None: too early to say).
-    bps: float | None
-    #: time.monotonic() when its byte count last grew (or it began).
-    last_moved: float
-
-    def idle_s(self, now: float) -> float:
-        return max(0.0, now - self.last_moved)
 
 
 @dataclass
