@@ -55,6 +55,13 @@ METRICS: dict[str, str] = {
     "fedtrain_site_link_bits_per_second": (
         "Each site's link (labels site, direction down|up) as measured from its transfers."
     ),
+    "fedtrain_site_transfer_bytes": (
+        "Each transfer in flight (labels site, direction down|up, of done|total): bytes "
+        "moved so far and its whole size (0 while unknown)."
+    ),
+    "fedtrain_site_transfer_idle_seconds": (
+        "Seconds since each transfer in flight (labels site, direction) last moved a byte."
+    ),
     "fedtrain_round": "The round in progress, or the last completed one between rounds.",
     "fedtrain_round_attempt": "Attempt of the round in progress (retried when too few report).",
     "fedtrain_rounds_completed": "Rounds completed in this run (survives --resume).",
@@ -63,6 +70,11 @@ METRICS: dict[str, str] = {
     "fedtrain_secure_aggregation": "1 when the server runs secure aggregation.",
     "fedtrain_received_bytes_total": "Tensor bytes received from sites (uploads).",
     "fedtrain_sent_bytes_total": "Tensor bytes sent to sites (model downloads).",
+    "fedtrain_received_bytes_by_outcome_total": (
+        "Tensor bytes received, by what became of them (label outcome: accepted, in an "
+        "update a round took; discarded, thrown away; resent, arrived a second time). "
+        "Their sum falls short of fedtrain_received_bytes_total by the uploads in flight."
+    ),
     "fedtrain_round_duration_seconds": "Duration of completed rounds (histogram).",
     "fedtrain_eval_accuracy": "Accuracy of the global model at its last evaluation (if any).",
     "fedtrain_eval_loss": "Loss of the global model at its last evaluation (if any).",
@@ -273,13 +285,26 @@ class LiveCollector(Collector):
             METRICS["fedtrain_site_link_bits_per_second"],
             labels=["site", "direction"],
         )
+        moved = GaugeMetricFamily(
+            "fedtrain_site_transfer_bytes",
+            METRICS["fedtrain_site_transfer_bytes"],
+            labels=["site", "direction", "of"],
+        )
+        idle = GaugeMetricFamily(
+            "fedtrain_site_transfer_idle_seconds",
+            METRICS["fedtrain_site_transfer_idle_seconds"],
+            labels=["site", "direction"],
+        )
         for site in s.sites:
             seen.add_metric([site.name], site.last_heartbeat_age_s)
             for direction, bps in (("down", site.down_bps), ("up", site.up_bps)):
                 if bps is not None:
                     link.add_metric([site.name, direction], 8 * bps)
-        yield seen
-        yield link
+            for t in site.transfers:
+                moved.add_metric([site.name, t.direction, "done"], t.done_bytes)
+                moved.add_metric([site.name, t.direction, "total"], t.total_bytes)
+                idle.add_metric([site.name, t.direction], t.idle_s)
+        yield from (seen, link, moved, idle)
         phase = GaugeMetricFamily("fedtrain_phase", METRICS["fedtrain_phase"], labels=["phase"])
         for name in PHASES:
             phase.add_metric([name], int(name == s.phase))
@@ -289,6 +314,11 @@ class LiveCollector(Collector):
             ("fedtrain_sent_bytes_total", sent),
         ):
             yield CounterMetricFamily(name.removesuffix("_total"), METRICS[name], value=value)
+        name = "fedtrain_received_bytes_by_outcome_total"
+        split = CounterMetricFamily(name.removesuffix("_total"), METRICS[name], labels=["outcome"])
+        for outcome in ("accepted", "discarded", "resent"):
+            split.add_metric([outcome], s.bytes.get(outcome, 0))
+        yield split
 
     def _site_evaluation(self) -> Iterator[Metric]:
         """The worst sites of the last evaluation (none under secure evaluation)."""

@@ -20,6 +20,9 @@ from rich.table import Table
 #: What the server is doing. Prometheus exports one `fedtrain_phase{phase=...}` per value.
 PHASES = ("waiting", "training", "aggregating", "between_rounds", "finished", "stopped", "failed")
 
+#: `ServerState.bytes`: received = accepted + discarded + resent + still in flight.
+BYTE_KEYS = ("received", "sent", "accepted", "discarded", "resent")
+
 PHASE_TEXT = {
     "waiting": "waiting for sites to connect",
     "training": "round in progress (sites train and upload)",
@@ -29,6 +32,23 @@ PHASE_TEXT = {
     "stopped": "stopped before the last round (resume with --resume)",
     "failed": "the round loop failed (see the server's log)",
 }
+
+
+@dataclass(frozen=True)
+class TransferState:
+    """A transfer in flight: `direction` "down" (model) or "up" (update)."""
+
+    direction: str
+    done_bytes: int
+    total_bytes: int  # 0: not known yet
+    bps: float | None  # over the last few seconds (None: too early to say)
+    idle_s: float  # since its last byte
+
+    def describe(self) -> str:
+        """ "up 12.5/40.0 MB 9.8 Mbit/s", with "idle 21s" once it has been quiet a while."""
+        size = amount(self.done_bytes, self.total_bytes, "/")
+        idle = f", idle {self.idle_s:.0f}s" if self.idle_s >= 2 else ""
+        return f"{self.direction} {size} {mbit(self.bps)} Mbit/s{idle}"
 
 
 @dataclass(frozen=True)
@@ -43,12 +63,13 @@ class SiteState:
     #: secure evaluation, or `site_metrics = false`).
     eval_accuracy: float | None = None
     eval_loss: float | None = None
+    transfers: tuple[TransferState, ...] = ()
 
     def link(self) -> str:
         """ "down 12.3 / up 4.5 Mbit/s", or "" before any transfer was measured."""
         if self.down_bps is None and self.up_bps is None:
             return ""
-        return f"down {_mbit(self.down_bps)} / up {_mbit(self.up_bps)} Mbit/s"
+        return f"down {mbit(self.down_bps)} / up {mbit(self.up_bps)} Mbit/s"
 
     def evaluation(self) -> str:
         """ "accuracy 0.9312" (else "loss 0.2100"), or "" when it has no figure."""
@@ -57,8 +78,20 @@ class SiteState:
         return "" if self.eval_loss is None else f"loss {self.eval_loss:.4f}"
 
 
-def _mbit(bps: float | None) -> str:
+def mbit(bps: float | None) -> str:
+    """Bytes per second as Mbit/s ("?" while unknown)."""
     return "?" if bps is None else f"{bps * 8 / 1e6:.1f}"
+
+
+def amount(done: int, total: int, of: str = " of ") -> str:
+    """ "12.5 of 40.0 MB" (the unit suits the total), or "12.5 MB" while it is unknown."""
+    largest = max(done, total)
+    scale, unit = next(
+        ((s, u) for s, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")) if largest >= s), (1, "B")
+    )
+    digits = 0 if scale == 1 else 1
+    part = f"{done / scale:.{digits}f}"
+    return f"{part}{of}{total / scale:.{digits}f} {unit}" if total else f"{part} {unit}"
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,8 @@ class ServerState:
     last_evaluation: Mapping[str, float] = field(default_factory=dict)
     #: The worst site of the last plain federated evaluation ("" otherwise).
     worst_site: str = ""
+    #: Tensor bytes since the server started (`BYTE_KEYS`).
+    bytes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def connected(self) -> int:
@@ -127,6 +162,7 @@ def _summary(state: ServerState) -> list[tuple[str, str]]:
         ("sites", _sites_line(state)),
         ("secure aggregation", "on" if state.secagg else "off"),
         ("model", state.model_version[:12]),
+        *([("bytes", _bytes_line(state.bytes))] if state.bytes else []),
     ]
 
 
@@ -149,6 +185,16 @@ def evaluation_line(state: ServerState) -> str:
     return ", ".join(parts)
 
 
+def _bytes_line(split: Mapping[str, int]) -> str:
+    """ "in 120.0 MB (accepted 80.0, discarded 38.0, resent 2.0), out 160.0 MB"."""
+
+    def mb(key: str) -> str:
+        return f"{split.get(key, 0) / 1e6:.1f}"
+
+    kept = ", ".join(f"{key} {mb(key)}" for key in ("accepted", "discarded", "resent"))
+    return f"in {mb('received')} MB ({kept}), out {mb('sent')} MB"
+
+
 def _sites_line(state: ServerState) -> str:
     line = f"{state.connected} connected, {state.min_sites} needed to start a round"
     if len(state.sites) < state.connected:
@@ -168,9 +214,10 @@ def render_text(state: ServerState) -> str:
     for site in state.sites:
         link = f", link {site.link()}" if site.link() else ""
         evaluated = f", evaluated {site.evaluation()}" if site.evaluation() else ""
+        moving = "".join(f", {t.describe()}" for t in site.transfers)
         lines.append(
             f"site {site.name}: connected {site.connected_for_s:.0f}s, last heard "
-            f"{site.last_heartbeat_age_s:.1f}s ago{link}{evaluated}"
+            f"{site.last_heartbeat_age_s:.1f}s ago{link}{moving}{evaluated}"
         )
     if state.last_metrics:
         done = _value(state.last_metrics.get("round", state.rounds_completed))
@@ -196,6 +243,7 @@ def render_rich(state: ServerState, console: Console) -> None:
     sites.add_column("last heard", justify="right")
     sites.add_column("link (measured)", justify="right")
     sites.add_column("last evaluation", justify="right")
+    sites.add_column("transfer", justify="right")
     for site in state.sites:
         sites.add_row(
             site.name,
@@ -203,6 +251,7 @@ def render_rich(state: ServerState, console: Console) -> None:
             f"{site.last_heartbeat_age_s:.1f} s ago",
             site.link() or "-",
             site.evaluation() or "-",
+            "; ".join(t.describe() for t in site.transfers) or "-",
         )
     parts: list[Table] = [overview, sites]
     if state.last_metrics:

@@ -71,6 +71,53 @@ class HeartbeatConfig:
 
 
 @dataclass
+class TransfersConfig:
+    """Each chosen site's own deadline, and what the log says about transfers in flight
+    (see server/README.md, "Sizing deadlines")."""
+
+    deadline_slack: float = option(
+        3.0,
+        "Each chosen site gets its own deadline: its estimated round (the model down and "
+        "its update up at its measured rates, plus its measured compute time) times this, "
+        "plus deadline_floor_s, at most round_timeout_s. A site past it that is stalled or "
+        "far slower than measured (under its measured rate / this) is dropped from the "
+        "round then, audited with the numbers (`site_dropped`), so the round does not "
+        "wait for round_timeout_s on it; one still moving at that rate is kept. Sites "
+        "not measured yet have only round_timeout_s; an outage (judged by heartbeat."
+        "grace_s) is added to a site's deadline, up to grace_s per round attempt. 0: off "
+        "(only round_timeout_s).",
+    )
+    deadline_floor_s: float = option(
+        30.0,
+        "Added to every site's own deadline: room for what its estimate cannot know "
+        "(a busy moment at the site or the server, latency, a round config that trains "
+        "longer). Raise it when rounds' work varies much from one round to the next.",
+    )
+    stall_s: float = option(
+        20.0,
+        "A transfer from which no byte arrived (or to which none could be sent) this "
+        "long is logged as stalled, once per stall, with how far it got.",
+    )
+    progress_after_s: float = option(
+        10.0,
+        "A transfer running longer than this logs its progress at 25, 50 and 75% (bytes, "
+        "rate); shorter ones log nothing. 0: no progress lines.",
+    )
+
+    def __post_init__(self) -> None:
+        for key in ("deadline_slack", "deadline_floor_s", "progress_after_s"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"transfers.{key} must be >= 0, got {getattr(self, key)!r}")
+        if 0 < self.deadline_slack < 1:
+            raise ConfigError(
+                f"transfers.deadline_slack = {self.deadline_slack} must be >= 1 (a site "
+                "could not even finish at its measured pace), or 0 for no per-site deadlines"
+            )
+        if not self.stall_s > 0:
+            raise ConfigError(f"transfers.stall_s must be > 0, got {self.stall_s!r}")
+
+
+@dataclass
 class SecAggServerSettings(SecAggSettings):
     """The protocol's settings plus the server's deadline for each of its stages."""
 
@@ -264,6 +311,9 @@ class ServerConfig:
     )
     client_schedule: dict[str, Schedule] = option({}, SCHEDULE_DOC)
     heartbeat: HeartbeatConfig = section(HeartbeatConfig, "Liveness of site connections.")
+    transfers: TransfersConfig = section(
+        TransfersConfig, "Per-site deadlines from measured links; transfer progress in the log."
+    )
     weights: WeightsConfig = section(
         WeightsConfig, "What a site's declared example count may weigh (plain updates)."
     )

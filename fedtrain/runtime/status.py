@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from fedtrain.errors import FedtrainError
-from fedtrain.observability.status import ServerState, SiteState
+from fedtrain.observability.status import ServerState, SiteState, TransferState
 from fedtrain.runtime import rpc
 from fedtrain.runtime.peer_auth import ClientIdentity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
@@ -61,6 +61,16 @@ def to_proto(state: ServerState) -> pb.StatusReply:
                 up_bps=s.up_bps or 0.0,
                 eval_accuracy=s.eval_accuracy,
                 eval_loss=s.eval_loss,
+                transfers=[
+                    pb.TransferStatus(
+                        direction=t.direction,
+                        done_bytes=t.done_bytes,
+                        total_bytes=t.total_bytes,
+                        bps=t.bps or 0.0,
+                        idle_s=t.idle_s,
+                    )
+                    for t in s.transfers
+                ],
             )
             for s in state.sites
         ],
@@ -68,6 +78,7 @@ def to_proto(state: ServerState) -> pb.StatusReply:
         connected_sites=state.connected,
         last_evaluation=dict(state.last_evaluation),
         worst_site=state.worst_site,
+        bytes=dict(state.bytes),
     )
 
 
@@ -93,6 +104,10 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
                 s.up_bps or None,
                 s.eval_accuracy if s.HasField("eval_accuracy") else None,
                 s.eval_loss if s.HasField("eval_loss") else None,
+                tuple(
+                    TransferState(t.direction, t.done_bytes, t.total_bytes, t.bps or None, t.idle_s)
+                    for t in s.transfers
+                ),
             )
             for s in reply.sites
         ),
@@ -100,6 +115,7 @@ def from_proto(reply: pb.StatusReply) -> ServerState:
         connected_sites=reply.connected_sites,
         last_evaluation=dict(reply.last_evaluation),
         worst_site=reply.worst_site,
+        bytes=dict(reply.bytes),
     )
 
 

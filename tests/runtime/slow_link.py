@@ -1,14 +1,24 @@
 """A TCP proxy on 127.0.0.1 that moves at most `rate` bytes per second each way: one
-site's slow link, for tests of what the server does about it."""
+site's slow link, for tests of what the server does about it. `up_rate`, when set,
+paces the site-to-server direction instead; both may change while it runs (a link
+that degrades)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from runtime_support import Deployment
 
 from fedtrain.runtime.demo import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PIECE = 16 * 1024
 
@@ -18,6 +28,7 @@ class SlowLink:
 
     def __init__(self, target_port: int, rate: float) -> None:
         self.target_port, self.rate = target_port, rate
+        self.up_rate: float | None = None
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -46,16 +57,49 @@ class SlowLink:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer, up=True),
+            self._pipe(up_reader, writer, up=False),
+            return_exceptions=True,
         )
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool
+    ) -> None:
         try:
             while data := await reader.read(PIECE):
                 writer.write(data)
                 await writer.drain()
-                await asyncio.sleep(len(data) / self.rate)
+                rate = (self.up_rate if up else None) or self.rate
+                await asyncio.sleep(len(data) / rate)
         finally:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+
+@contextlib.contextmanager
+def fast_and_slow(
+    root: Path, task_options: dict[str, Any], rate: float, **server: Any
+) -> Iterator[tuple[Deployment, SlowLink]]:
+    """A `FlatTask` deployment (TLS): sites fast-a and fast-b dial the server, site slow
+    dials it through a `SlowLink` at `rate`; all started. The round needs 2 of the 3."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))  # the sites and the server import benchmarks.flat_task
+    with (
+        Deployment(
+            root,
+            "benchmarks.flat_task:FlatTask",
+            task_options=task_options,
+            allowed_sites=["fast-a", "fast-b", "slow"],
+            strategy={"min_fit_clients": 2, "min_available_clients": 3},
+            **server,
+        ) as dep,
+        SlowLink(dep.port, rate=rate) as link,
+    ):
+        dep.start_server()
+        for name in ("fast-a", "fast-b"):
+            dep.start_site(name, task_options=task_options)
+        slow = dep.site_toml("slow", task_options=task_options)
+        slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
+        dep.start_site("slow", slow)
+        yield dep, link

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from runtime_support import Deployment, FakeSite, TinyTask, inprocess_server
-from slow_link import SlowLink
+from runtime_support import FakeSite, TinyTask, inprocess_server
+from slow_link import fast_and_slow
 
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.links import (
@@ -178,24 +178,7 @@ def test_a_site_whose_link_cannot_make_the_deadline_is_skipped_and_audited(
     # 40 MB: 20 s through a 2 MB/s link (a model far larger than what the kernel's
     # socket buffers absorb, so the server sees the link's pace as it sends)
     task = {"num_params": 10_000_000}
-    with (
-        Deployment(
-            tmp_path,
-            "benchmarks.flat_task:FlatTask",
-            task_options=task,
-            allowed_sites=["fast-a", "fast-b", "slow"],
-            strategy={"min_fit_clients": 2, "min_available_clients": 3},
-            rounds=3,
-            round_timeout_s=8.0,
-        ) as dep,
-        SlowLink(dep.port, rate=2_000_000) as link,
-    ):
-        dep.start_server()
-        for name in ("fast-a", "fast-b"):
-            dep.start_site(name, task_options=task)
-        slow = dep.site_toml("slow", task_options=task)
-        slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
-        dep.start_site("slow", slow)
+    with fast_and_slow(tmp_path, task, 2_000_000, rounds=3, round_timeout_s=8.0) as (dep, _):
         assert dep.wait_server(200) == 0, dep.log("server")
         skipped = dep.audit("site_skipped")
         started = {r["round"]: r["participants"] for r in dep.audit("round_started")}

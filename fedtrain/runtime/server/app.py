@@ -47,6 +47,8 @@ from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.transfer_watch import TICK_S as TRANSFER_TICK_S
+from fedtrain.runtime.server.transfer_watch import TransferWatch
 from fedtrain.runtime.server.uploads import remove_stale_spools
 from fedtrain.strategy import Strategy
 from fedtrain.task import Task, load_task
@@ -196,6 +198,9 @@ class AggregationServer:
             cpu=self._cpu,
             max_sites=self.max_sites,
         )
+        #: Progress and stall lines of the transfers in flight, sampled once a second.
+        self.transfer_watch = TransferWatch(self.coordinator.links, config.transfers)
+        self._enforcing = threading.Lock()
         self._grpc: grpc.aio.Server | None = None
         self._local_status: LocalStatus | None = None
         self._loop_tick = time.monotonic()
@@ -273,6 +278,7 @@ class AggregationServer:
         self._grpc = server
         self._watchdog = asyncio.create_task(self._watch_heartbeats())
         self._ticker = asyncio.create_task(self._tick())
+        self._transfers_task = asyncio.create_task(self._watch_transfers())
         return port
 
     async def _tick(self) -> None:
@@ -280,6 +286,22 @@ class AggregationServer:
         while True:
             self._loop_tick = time.monotonic()
             await asyncio.sleep(LOOP_TICK_S)
+
+    async def _watch_transfers(self) -> None:
+        """Once a second: sample the transfers in flight (progress, stalls), and have the
+        CPU pool judge the sites past their own deadline (it takes the round's lock)."""
+        while True:
+            await asyncio.sleep(TRANSFER_TICK_S)
+            try:
+                self.transfer_watch.tick()
+                if self.coordinator.deadlines.due() and not self._enforcing.locked():
+                    self._cpu.submit(self._enforce_deadlines)
+            except Exception:  # what the operator sees must never stop what it watches
+                log.exception("watching the transfers in flight failed; trying again")
+
+    def _enforce_deadlines(self) -> None:
+        with self._enforcing:
+            self.coordinator.deadlines.enforce()
 
     def _loop_health(self) -> str | None:
         """Why the server cannot serve its sites now (its event loop has not run for
@@ -360,7 +382,8 @@ class AggregationServer:
         self.audit.close()
 
     async def _shutdown(self, grace: float) -> None:
-        for task in (getattr(self, "_watchdog", None), getattr(self, "_ticker", None)):
+        tasks = ("_watchdog", "_ticker", "_transfers_task")
+        for task in (getattr(self, name, None) for name in tasks):
             if task is not None:
                 task.cancel()
         if self._grpc is not None:

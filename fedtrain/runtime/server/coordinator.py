@@ -55,6 +55,7 @@ from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.server.secure_evaluation import SecureEvaluation
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
+from fedtrain.runtime.server.site_deadlines import SiteDeadlines
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
 from fedtrain.strategy import RoundConfig, Strategy
@@ -101,6 +102,7 @@ class TransferCounter:
         #: Since the server started, never reset (Prometheus counters read these).
         self.total_in = 0
         self.total_out = 0
+        self.total_settled = dict.fromkeys(self._settled, 0)
 
     def add(self, received: int = 0, sent: int = 0) -> None:
         with self._lock:
@@ -113,9 +115,15 @@ class TransferCounter:
         """An upload's bytes ended up in the round (`accepted`), were thrown away, or
         arrived a second time (`resent`)."""
         with self._lock:
-            self._settled["accepted"] += accepted
-            self._settled["discarded"] += discarded
-            self._settled["resent"] += resent
+            for split in (self._settled, self.total_settled):
+                split["accepted"] += accepted
+                split["discarded"] += discarded
+                split["resent"] += resent
+
+    def totals(self) -> dict[str, int]:
+        """Bytes since the server started (`observability.status.BYTE_KEYS`)."""
+        with self._lock:
+            return {"received": self.total_in, "sent": self.total_out, **self.total_settled}
 
     def take(self) -> tuple[int, int]:
         """(bytes in, bytes out) since the last call."""
@@ -176,6 +184,10 @@ class Coordinator:
         self.transfers = TransferCounter()
         #: Each site's measured link, to leave out sites that cannot finish in time.
         self.links = LinkEstimates()
+        #: Each chosen site's own deadline from its link, within the round's.
+        self.deadlines = SiteDeadlines(
+            self.links, registry, audit, config.transfers, config.heartbeat.grace_s
+        )
         self._plain_uploads = config.compression.build().name == "none"
         self.last_metrics: dict[str, Any] = {}
         #: The last record with an evaluation (`fedtrain status`: worst site, spread).
@@ -392,6 +404,7 @@ class Coordinator:
             state = self._start_attempt(server_round, attempt, plan)
             state.wait(lambda: self.stopped)
             summary = state.close()
+            self.deadlines.end()
             if self.stopped:
                 return False
             if self._finish(state, summary, started, skipped):
@@ -432,6 +445,7 @@ class Coordinator:
         deadline_unix = time.time() + self.config.round_timeout_s
         state.deadline_unix = deadline_unix
         self.current = state
+        self._size_deadlines(state)
         log.info(
             "round %d (attempt %d): %d site(s) train from model %s: %s",
             server_round,
@@ -465,6 +479,30 @@ class Coordinator:
         if isinstance(state, SecureRoundState):
             state.start()  # key agreement runs while the sites download and train
         return state
+
+    def _size_deadlines(self, state: RoundState) -> None:
+        """Give each measured site of the attempt its own deadline (`site_deadlines.py`)."""
+        nbytes = self.global_model.state.nbytes
+        timeout = self.config.round_timeout_s
+        own = self.deadlines.begin(
+            state,
+            state.deadline - timeout,
+            state.deadline,
+            self._needed(len(state.plan)),
+            nbytes,
+            nbytes if self._plain_uploads else None,
+        )
+        if own:
+            seconds = sorted(d.allowed_s for d in own.values())
+            log.info(
+                "round %d: %d site(s) have their own deadline, %.0f-%.0fs from their "
+                "measured links (round deadline %.0fs)",
+                state.round,
+                len(own),
+                seconds[0],
+                seconds[-1],
+                timeout,
+            )
 
     def _too_slow(self, server_round: int, plan: dict[str, RoundConfig]) -> list[str]:
         """Sites of `plan` whose measured links cannot finish a round before its deadline

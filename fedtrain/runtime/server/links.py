@@ -47,6 +47,7 @@ class Link:
     down_bytes: int = 0  # the latest whole download (its codec's size)
     up_bytes: int = 0  # the latest whole upload (its codec's size)
     compute_s: float = 0.0  # from the end of its download to the start of its upload
+    computed: bool = False  # compute_s was measured (a cached model or secagg: never)
     measured_at: float = 0.0  # time.monotonic() of its latest training-round transfer
     download_ended: float | None = None
     skipped_in_a_row: int = 0
@@ -56,12 +57,35 @@ class Link:
 class Estimate:
     seconds: float
     slowest_bps: float
+    #: The parts of `seconds`, and the rates they were estimated at (None: not measured).
+    down_s: float = 0.0
+    compute_s: float = 0.0
+    up_s: float = 0.0
+    down_bps: float | None = None
+    up_bps: float | None = None
+    #: Every part measured (download, compute and upload; a whole download too quick
+    #: to time counts as instant): enough to size a deadline.
+    complete: bool = False
 
     def describe(self, deadline_s: float) -> str:
         return (
             f"estimated {self.seconds:.0f}s at {self.slowest_bps * 8 / 1e6:.1f} Mbit/s "
             f"> deadline {deadline_s:.0f}s"
         )
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What the watch last saw of one transfer (`transfer_watch.py`; a snapshot:
+    replaced whole, so any thread may read it)."""
+
+    #: Bytes per second over the last `transfer_watch.RATE_WINDOW_S` (None: too early).
+    bps: float | None
+    #: time.monotonic() when its byte count last grew (or it began).
+    last_moved: float
+
+    def idle_s(self, now: float) -> float:
+        return max(0.0, now - self.last_moved)
 
 
 def _smooth(old: float | None, new: float) -> float:
@@ -86,6 +110,29 @@ class TransferMeter:
         self.started = time.monotonic()
         self._added = 0
         self.whole = False
+        #: The transfer's whole size and what the site held before this stream began (a
+        #: resumed one), once known: its progress is (before + nbytes) of total.
+        self.total = 0
+        self.before = 0
+        #: What `transfer_watch.TransferWatch` last saw of it (replaced whole, read anywhere).
+        self.watched: Watched | None = None
+
+    @property
+    def site(self) -> str:
+        return self._site
+
+    @property
+    def direction(self) -> str:
+        return self._direction
+
+    def expect(self, total: int, before: int = 0) -> None:
+        """The transfer moves `total` bytes in all, `before` of them already moved."""
+        self.total, self.before = total, before
+
+    @property
+    def done(self) -> int:
+        """Bytes of the whole transfer moved so far, this stream's and earlier ones'."""
+        return self.before + self.nbytes
 
     def add(self, nbytes: int) -> None:
         self._added += nbytes
@@ -140,6 +187,16 @@ class LinkEstimates:
             if self._live.get(key) is meter:
                 del self._live[key]
 
+    def live(self, site: str, direction: str) -> TransferMeter | None:
+        """`site`'s transfer in `direction` under way now, if any."""
+        with self._lock:
+            return self._live.get((site, direction))
+
+    def transfers(self) -> list[TransferMeter]:
+        """Every transfer under way (at most `max_transfers`)."""
+        with self._lock:
+            return list(self._live.values())
+
     def _rate(self, site: str, direction: str, measured: float | None) -> float | None:
         """The measured rate, folded with the one of a transfer still under way."""
         with self._lock:
@@ -183,6 +240,7 @@ class LinkEstimates:
             link = self._live_link(site)
             if link.download_ended is not None and count_compute:
                 link.compute_s = time.monotonic() - link.download_ended
+                link.computed = True
             link.download_ended = None
 
     def _live_link(self, site: str) -> Link:
@@ -213,15 +271,28 @@ class LinkEstimates:
         down_bps, up_bps = self.rates(site)
         if down_bps is None and up_bps is None:
             return None
-        seconds, rates = link.compute_s, []
+        down_s = up_s = 0.0
+        rates = []
         if down_bps is not None:
-            seconds += (link.down_bytes or model_bytes) / down_bps
+            down_s = (link.down_bytes or model_bytes) / down_bps
             rates.append(down_bps)
         up_bytes = link.up_bytes or update_bytes or 0
         if up_bps is not None and up_bytes:
-            seconds += up_bytes / up_bps
+            up_s = up_bytes / up_bps
             rates.append(up_bps)
-        return Estimate(seconds, min(rates)) if rates else None
+        if not rates:
+            return None
+        return Estimate(
+            down_s + link.compute_s + up_s,
+            min(rates),
+            down_s=down_s,
+            compute_s=link.compute_s,
+            up_s=up_s,
+            down_bps=down_bps,
+            up_bps=up_bps,
+            # a whole download too quick to time (the network's buffers took it) is instant
+            complete=(down_bps is not None or link.down_bytes > 0) and bool(up_s) and link.computed,
+        )
 
     def plan_round(
         self,

@@ -105,6 +105,9 @@ class MaskedSum:
         self.audit_fields = dict(audit_fields)
         #: Set when a stage closed at its deadline with sites still missing.
         self.timed_out = False
+        #: time.monotonic() when the current stage opened (a site uploads its masked
+        #: input only once MASKED_INPUT is open: `site_deadlines.py` counts from it).
+        self.stage_opened = time.monotonic()
         self.ids = {name: i + 1 for i, name in enumerate(sorted(sites))}
         self.names = {i: name for name, i in self.ids.items()}
         checker = None
@@ -229,6 +232,7 @@ class MaskedSum:
         deadline: float,
     ) -> bool:
         """Block (releasing the lock while waiting) until `stage` may close; False if stopped."""
+        self.stage_opened = time.monotonic()
         while True:
             if stopped():
                 return False

@@ -59,7 +59,7 @@ from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.links import TransferMeter
 from fedtrain.runtime.server.resumable import HeldUpload, HeldUploads, Superseded, header_terms
-from fedtrain.runtime.server.rounds import RoundState, UploadRefused
+from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
@@ -131,6 +131,7 @@ class FedtrainServicer:
         #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
         self.held = HeldUploads(config.upload_grace_s)
         registry.on_leave(self.site_gone)
+        coordinator.deadlines.on_drop(self.site_dropped)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -614,6 +615,16 @@ class FedtrainServicer:
             and round_state.model_version == model.version
         ):
             round_state = None  # not a download for a training round's deadline
+        elif (
+            round_state.tokens.get(session.site) == session.token
+            and round_state.outcomes.get(session.site) is Outcome.DROPPED
+        ):
+            await _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"site {session.site!r} was dropped from round {round_state.round} (its "
+                "deadline passed; see the server's log); no download for it",
+            )
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
         try:
@@ -625,6 +636,7 @@ class FedtrainServicer:
                     held=request.held_version,
                     run=self._run,
                 )
+                meter.expect(manifest.total_bytes, request.offset)
                 if request.offset > manifest.total_bytes:
                     await _abort(
                         context,
@@ -675,7 +687,12 @@ class FedtrainServicer:
         self, session: Session, direction: str, *, training: bool = True
     ) -> AsyncIterator[TransferMeter]:
         """A transfer slot, and the link's rate measured while the transfer holds it."""
-        async with self.transfer_slots:
+        session.queued += 1
+        try:
+            await self.transfer_slots.acquire()
+        finally:
+            session.queued -= 1
+        try:
             received = session.bytes_received
             counted = (lambda: session.bytes_received - received) if direction == "up" else None
             meter = self.coordinator.links.meter(
@@ -685,6 +702,8 @@ class FedtrainServicer:
                 yield meter
             finally:
                 meter.close()
+        finally:
+            self.transfer_slots.release()
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
@@ -732,6 +751,7 @@ class FedtrainServicer:
             held = self._new_upload(state, session, header, weight)
         try:
             async with self._transfer(session, "up") as meter:
+                meter.expect(held.sink.expected_bytes, held.offset)
                 received = await self._stream_upload(
                     context, state, session, header, held, request_iterator
                 )
@@ -966,6 +986,17 @@ class FedtrainServicer:
         held = self.held.of_site(session.site)
         if held is not None and held.token == session.token:
             self.discard(held, f"the site left ({reason})")
+
+    def site_dropped(self, session: Session, reason: str) -> None:
+        """A listener of `SiteDeadlines`: a site dropped from the round at its own
+        deadline moves no more bytes for it (its upload discarded, its download cut)."""
+        held = self.held.of_site(session.site)
+        if held is not None and held.token == session.token:
+            self.discard(held, f"dropped from the round: {reason}")
+        loop = self._loop or session._loop
+        for task in list(session.streams):
+            if loop is not None:
+                loop.call_soon_threadsafe(task.cancel)
 
     async def _weigh(
         self,

@@ -64,6 +64,9 @@ class Session:
     #: stays in its round until `heartbeat.grace_s` later, and may rejoin meanwhile
     #: with its token (Join.resume_token). None while a control stream serves it.
     detached_at: float | None = None
+    #: Seconds this session spent in outages it came back from (from its last message
+    #: to its rejoin): a per-site deadline is not charged for them (`site_deadlines.py`).
+    outage_s: float = 0.0
     #: The handler task of the control stream that serves it (cancelled when a rejoin
     #: takes over, or when it is detached).
     handler: Any = field(default=None, repr=False)
@@ -71,6 +74,9 @@ class Session:
     streams: set[Any] = field(default_factory=set, repr=False)
     #: Upload bytes received over this session (what its link moved: `links.py`).
     bytes_received: int = 0
+    #: Its transfers waiting for one of the server's `max_transfers` slots (the wait is
+    #: the server's, never held against the site's deadline).
+    queued: int = 0
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
@@ -215,6 +221,8 @@ class SessionRegistry:
                 return None
             if self._by_peer.get(session.peer) is session:
                 del self._by_peer[session.peer]
+            quiet_since = min(session.last_seen, session.detached_at or session.last_seen)
+            session.outage_s += time.monotonic() - quiet_since
             session.peer, session.detached_at = peer, None
             session.touch()
             self._by_peer[peer] = session

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import time
 
-from fedtrain.observability.status import ServerState, SiteState, numbers, site_figures
+from fedtrain.observability.status import (
+    ServerState,
+    SiteState,
+    TransferState,
+    numbers,
+    site_figures,
+)
 from fedtrain.runtime.server.coordinator import Coordinator
+from fedtrain.runtime.server.links import LinkEstimates
 from fedtrain.runtime.server.sessions import SessionRegistry
 from fedtrain.runtime.status import SitePage
 
@@ -63,6 +70,7 @@ def server_state(
                 now - by_name[name].last_seen,
                 *coordinator.links.rates(name),
                 *site_figures(evaluated, name),
+                in_flight(coordinator.links, name, now),
             )
             for name in listed
         ),
@@ -70,4 +78,25 @@ def server_state(
         connected_sites=len(sessions),
         last_evaluation=numbers(evaluated),
         worst_site=str(evaluated.get("worst_site") or ""),
+        bytes=coordinator.transfers.totals(),
     )
+
+
+def in_flight(links: LinkEstimates, site: str, now: float) -> tuple[TransferState, ...]:
+    """`site`'s transfers under way, as the transfer watch last sampled them."""
+    states = []
+    for direction in ("down", "up"):
+        meter = links.live(site, direction)
+        if meter is None:
+            continue
+        watched = meter.watched
+        states.append(
+            TransferState(
+                direction,
+                meter.done,
+                meter.total,
+                watched.bps if watched is not None else None,
+                watched.idle_s(now) if watched is not None else 0.0,
+            )
+        )
+    return tuple(states)

@@ -1,0 +1,64 @@
+"""The log lines of transfers in flight: progress at 25/50/75% for long transfers only,
+one warning per stall and one line when it moves again; and the recent rate and
+silence that `fedtrain status` and per-site deadlines read."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from fedtrain.runtime.config import TransfersConfig
+from fedtrain.runtime.server.links import LinkEstimates
+from fedtrain.runtime.server.transfer_watch import TransferWatch
+
+MB = 1_000_000
+
+
+def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    out = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    return out
+
+
+def test_a_long_transfer_logs_its_quarters_and_a_stall_once(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.server.transfer_watch")
+    links = LinkEstimates()
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0, progress_after_s=10.0))
+    meter = links.meter("site-3", "up")
+    meter.expect(40 * MB)
+    t0 = meter.started
+    for second in range(1, 12):  # 1.25 MB/s: a quarter in 8 s
+        meter.add(1_250_000)
+        watch.tick(t0 + second)
+    # nothing in the first 10 s; then the quarter it reached, once
+    assert lines(caplog) == ["site 'site-3': upload 12.5 of 40.0 MB (31%), 10.0 Mbit/s, 10s so far"]
+    assert meter.watched is not None and meter.watched.bps == pytest.approx(1.25 * MB)
+    for second in range(12, 40):  # nothing moves
+        watch.tick(t0 + second)
+    assert lines(caplog) == [
+        "transfer stalled: no bytes from site 'site-3' for 20s (upload 13.8 of 40.0 MB)"
+    ]
+    assert meter.watched.idle_s(t0 + 39) == pytest.approx(28) and meter.watched.bps == 0
+    meter.add(8 * MB)
+    watch.tick(t0 + 40)
+    assert lines(caplog) == [
+        "site 'site-3': upload 21.8 of 40.0 MB moves again after 29s without a byte",
+        "site 'site-3': upload 21.8 of 40.0 MB (54%), 12.8 Mbit/s, 40s so far",
+    ]
+    meter.close()
+    watch.tick(t0 + 41)  # ended: forgotten, nothing more
+    assert lines(caplog) == []
+
+
+def test_short_transfers_log_nothing(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.server.transfer_watch")
+    links = LinkEstimates()
+    watch = TransferWatch(links, TransfersConfig())
+    meter = links.meter("a", "down")
+    meter.expect(40 * MB, before=10 * MB)  # a resumed download
+    for second in range(1, 8):
+        meter.add(4 * MB)
+        watch.tick(meter.started + second)
+    assert meter.done == 38 * MB
+    assert lines(caplog) == []
