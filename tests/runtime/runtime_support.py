@@ -7,10 +7,10 @@ the same task, with the same fingerprint, in every process.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
-import contextlib
 import queue
 import sys
 import threading
