@@ -44,7 +44,7 @@ class HeartbeatConfig:
         5.0,
         "How often sites send a heartbeat (told to them on join). With many sites the "
         "server asks for longer intervals, so that all heartbeats together stay under "
-        "200 per second, and tells sites that joined earlier the longer interval as the "
+        "50 per second, and tells sites that joined earlier the longer interval as the "
         "federation grows (liveness comes from keepalive pings and any bytes received).",
     )
     timeout_s: float = option(

@@ -127,7 +127,8 @@ def _coordinator(record: dict[str, Any], secagg: bool) -> SimpleNamespace:
         strategy=SimpleNamespace(min_available_clients=2),
         global_model=SimpleNamespace(round=record["round"], version="v" * 64),
         secagg=object() if secagg else None,
-        links=SimpleNamespace(rates=lambda site: (None, None)),
+        links=SimpleNamespace(rates=lambda site: (None, None), live=lambda site, way: None),
+        transfers=SimpleNamespace(totals=dict),
         last_metrics=record,
         last_evaluation=record,
     )

@@ -7,6 +7,7 @@ the same task, with the same fingerprint, in every process.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -325,9 +326,18 @@ class FakeSite:
         )
 
     def close(self) -> None:
+        """Leave as a stopping daemon does (said, then the stream ends)."""
+        self.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(leaving=True)))
         self.outbox.put(None)
+        self.inbox_end(timeout=2.0)
         self.call.cancel()
         self.channel.close()
+
+    def inbox_end(self, timeout: float) -> None:
+        """Wait until the server ended the control stream (or `timeout`)."""
+        with contextlib.suppress(queue.Empty):
+            while self.inbox.get(timeout=timeout) is not None:
+                pass
 
 
 def chunk_messages(chunks: Iterator[Any]) -> list[pb.UpdateChunk]:

@@ -284,3 +284,45 @@ def test_a_retry_that_meets_the_channel_the_broken_session_closed_waits_for_the_
 
     assert daemon._through_outages(link, time.time() + 30, "upload", transfer) == "received"
     assert len(tries) == 2
+
+
+def test_a_stream_breaking_after_a_keepalive_period_of_silence_is_an_outage_at_any_pace(
+    tmp_path, stop_after
+) -> None:
+    """At 10,000 sites a site beats every 200 s, but the server's keepalive notices a cut
+    link after `keepalive_s` (60 s): a break after that much silence is an outage (kept
+    for the grace), not a site that exited (dropped at once), whatever the pace."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, sites=3, heartbeat={"interval_s": 5.0, "timeout_s": 3000.0, "grace_s": 60.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    for name, quiet_s in (("cut", 70.0), ("killed", 1.0)):
+        proxy = _proxy(server, stop_after)
+        site = FakeSite(proxy.port, name, fp)
+        stop_after.append(site)
+        session = server.registry.get(name)
+        session.heartbeat_interval_s = 200.0  # as paced at 10,000 sites
+        session.last_seen = time.monotonic() - quiet_s
+        proxy.resume(drop_connections=True)  # the server's end of the connection closes
+    wait_for(lambda: server.registry.get("killed") is None, 10, "the killed site's leave")
+    session = server.registry.get("cut")
+    assert session is not None and session.detached_at is not None and not session.closed
+    assert [r["site"] for r in _audit(server, "site_away")] == ["cut"]
+
+
+def test_a_daemon_stopped_on_purpose_after_a_silence_leaves_at_once(tmp_path, stop_after) -> None:
+    """A stream that ends after a silence is an outage to the server, so a daemon that
+    stops says it is leaving: it is dropped at once, not kept for the grace."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, sites=3, heartbeat={"interval_s": 5.0, "timeout_s": 3000.0, "grace_s": 60.0}
+    )
+    stop_after.append(server)
+    daemon = _site("quiet", f"127.0.0.1:{server.port}", task, stop_after)
+    wait_for(lambda: server.registry.get("quiet"), 30, "the daemon's join")
+    server.registry.get("quiet").last_seen = time.monotonic() - 70.0
+    daemon.stop()
+    wait_for(lambda: server.registry.get("quiet") is None, 10, "the daemon's leave")
+    assert not _audit(server, "site_away")

@@ -78,8 +78,12 @@ _NO_ANSWER = Refusal("no_answer", "the peer closed the stream before it said who
 #: was smaller are told again (`Pace`) once it has grown by a quarter, so the rate
 #: stays under 1.25x this (keepalive pings, answered by gRPC itself, and any bytes
 #: received are what keep a site alive in between). Without the re-pacing the first
-#: thousand sites kept their 5 s interval: 660 heartbeats/s at 10,000 sites.
-HEARTBEATS_PER_S = 200.0
+#: thousand sites kept their 5 s interval: 660 heartbeats/s at 10,000 sites. Each
+#: heartbeat costs the loop ~0.26 ms (grpc.aio's read, measured with benchmarks/swarm.py
+#: at 3,000 idle sites: 5.9% of a core at 200/s, 2.0% at 50/s), so the rate is kept
+#: low: at 10,000 sites a site beats every 200 s, and a hung site whose connection
+#: still answers pings is noticed after its scaled timeout (20 min with the defaults).
+HEARTBEATS_PER_S = 50.0
 #: A site is re-paced when the interval it should have exceeds its own by this factor.
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
@@ -433,12 +437,12 @@ class FedtrainServicer:
     async def _read(self, session: Session, context: grpc.aio.ServicerContext, owner: Any) -> None:
         """Consume a site's control messages (a task beside `owner`, the handler that
         sends); once a rejoin has taken the session over, this stream's end is no news."""
-        reason = "control stream ended by the site"
         try:
             while (message := await context.read()) is not grpc.aio.EOF:
                 session.touch()
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
+                    session.leaving = message.heartbeat.leaving
                     continue
                 if kind == "error":
                     err = message.error
@@ -458,13 +462,16 @@ class FedtrainServicer:
                 else:
                     reason = f"protocol error: unexpected {kind or 'empty'} message after joining"
                     log.warning("site %r: %s", session.site, reason)
-                    break
+                    self._leave(session, reason)
+                    return
         except grpc.RpcError:
             if session.handler is owner:
                 self._lost(session, "control stream broke")
             return
         if session.handler is owner:
-            self._leave(session, reason)
+            # gRPC ends the reads of a stream whose connection died with EOF too, so the
+            # end alone does not say whether the site left or its link failed.
+            self._lost(session, "control stream ended by the site")
 
     def _secagg(self, session: Session, message: pb.SecAggMessage) -> None:
         """Hand a stage reply to the round in progress; a refusal is logged, never fatal."""
@@ -484,13 +491,21 @@ class FedtrainServicer:
             )
 
     def _lost(self, session: Session, reason: str) -> None:
-        """The site's control stream broke. After a silence it is an outage: the site
-        is kept `heartbeat.grace_s` (`detach`); while it was talking, its process closed
-        the connection (exited, killed): it is gone at once."""
+        """The site's control stream ended or broke. A site that said it is leaving
+        (Heartbeat.leaving), or whose stream ended while it was talking (its process
+        exited or was killed), is gone at once; after a silence it is an outage: the
+        site is kept `heartbeat.grace_s` (`detach`).
+
+        A silence is two heartbeat periods, or the keepalive period if that is shorter:
+        the server's keepalive notices a cut link only after `keepalive_s` without an
+        answer, so every outage it finds has been silent that long, even at 10,000 sites
+        where a site beats only every 200 s (then a killed site that had been quiet that
+        long waits out the grace, as an outage would)."""
         if session.closed or session.detached_at is not None:
             return
         quiet_s = time.monotonic() - session.last_seen
-        outage = quiet_s > 2 * session.heartbeat_interval_s and not self.coordinator.stopped
+        silence_s = min(2 * session.heartbeat_interval_s, self.config.heartbeat.keepalive_s)
+        outage = quiet_s > silence_s and not (session.leaving or self.coordinator.stopped)
         if self.config.heartbeat.grace_s > 0 and outage:
             self.detach(session, f"{reason} after {quiet_s:.0f}s of silence")
         else:

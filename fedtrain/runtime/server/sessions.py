@@ -55,6 +55,9 @@ class Session:
     #: The heartbeat interval the site was told (Welcome, then Pace as sites join).
     heartbeat_interval_s: float = 5.0
     closed: bool = False
+    #: The site said it is leaving (Heartbeat.leaving): the end of its stream is a
+    #: leave, whatever silence came before it.
+    leaving: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""
     #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
@@ -224,6 +227,7 @@ class SessionRegistry:
             quiet_since = min(session.last_seen, session.detached_at or session.last_seen)
             session.outage_s += time.monotonic() - quiet_since
             session.peer, session.detached_at = peer, None
+            session.leaving = False
             session.touch()
             self._by_peer[peer] = session
             self.changed.notify_all()

@@ -101,6 +101,9 @@ def _link_broke(exc: Exception) -> bool:
 
 #: Pause before a broken transfer is tried again on a link that looks up.
 RESUME_PAUSE_S = 0.5
+#: How long a stopping daemon waits for the server to end the control stream after it
+#: said it is leaving (one round trip on a live link).
+LEAVE_S = 2.0
 #: How long a stopping daemon waits for a job in flight to notice. A round training in
 #: this process cannot be interrupted, and its update is lost either way (the server
 #: counts this site as a dropout), so the daemon does not wait for it to finish.
@@ -250,8 +253,9 @@ class SiteDaemon:
         #: is evaluated once.
         self._evaluated: tuple[tuple[str, int], EvalResult] | None = None
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _call, which stop() cancels from any thread
+        self._lock = threading.Lock()  # guards _call, which stop() ends from any thread
         self._call: grpc.Call | None = None
+        self._outbox: queue.SimpleQueue[pb.SiteMessage | None] | None = None
         #: The next TRAIN and the next EVALUATE not yet started, each replaced by a newer
         #: one of its kind (under FedBuff an evaluation arrives while a job is pending).
         self._jobs: dict[int, tuple[Link, pb.Instruction]] = {}
@@ -338,9 +342,10 @@ class SiteDaemon:
             away.closed.set()
             away.up.set()
         with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
+            call, outbox = self._call, self._outbox
+            self._call = None
+        if call is not None and outbox is not None:
+            _leave_stream(call, outbox)
         with self._job_ready:
             self._job_ready.notify_all()
         self.secagg.close("the site is stopping")
@@ -395,7 +400,7 @@ class SiteDaemon:
         )
         call = control(_drain(outbox))
         with self._lock:
-            self._call = call
+            self._call, self._outbox = call, outbox
         if self._stop.is_set():
             call.cancel()
         link: Link | None = None
@@ -448,7 +453,7 @@ class SiteDaemon:
             call.cancel()
             channel.close()
             with self._lock:
-                self._call = None
+                self._call = self._outbox = None
 
     def _shutdown(self, reason: str) -> None:
         """The server ended the session on purpose; a complete run may end the daemon."""
@@ -1035,6 +1040,19 @@ def _data_source(config: SiteConfig) -> str:
     if data.source in FILE_SOURCES:
         return f"{data.source} files under {data.path}"
     return f"part {data.partition} of {data.num_partitions}, {data.kind} split"
+
+
+def _leave_stream(call: grpc.Call, outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> None:
+    """End the control stream saying so, then cancel it: a stream that ends after a
+    silence is an outage to the server (the site kept in its round for the grace), so a
+    site that stops on purpose says it is leaving and is dropped at once. Waits at most
+    `LEAVE_S` for the server to end the stream (a dead link: it never does)."""
+    outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(leaving=True)))
+    outbox.put(None)
+    ended = threading.Event()
+    if call.add_callback(ended.set):  # False: the call has already ended
+        ended.wait(LEAVE_S)
+    call.cancel()
 
 
 def _drain(outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> Iterator[pb.SiteMessage]:
