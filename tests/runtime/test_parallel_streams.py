@@ -298,10 +298,11 @@ def test_the_automatic_stream_count_grows_with_the_transfer() -> None:
     assert stream_count(3, 100) == 3
 
 
-def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int) -> ModelState:
+def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int, pki: Any = None) -> ModelState:
     """Two rounds of the deterministic benchmark task (800 KB, 64 KiB chunks) with a
-    real site daemon using `streams` parallel streams; the final global model (one
-    site: two sites' updates may fold in either order, which is not bit-stable)."""
+    real site daemon using `streams` parallel streams (with `pki`: over TLS); the final
+    global model (one site: two sites' updates may fold in either order, which is not
+    bit-stable)."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.flat_task import FlatTask
 
@@ -313,10 +314,11 @@ def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int) -> ModelState
         sites=1,
         rounds=2,
         chunk_bytes=64 * 1024,
+        pki=pki,
     )
     stop_after.append(server)
-    for name in ("site-0",):
-        raw = {
+    for name in ("hospital-a",):
+        raw: dict[str, Any] = {
             "task": "benchmarks.flat_task:FlatTask",
             "task_options": options,
             "name": name,
@@ -324,7 +326,13 @@ def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int) -> ModelState
             "transfer_streams": streams,
             "reconnect": {"min_s": 0.1, "max_s": 0.5},
         }
-        daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=True, task=task)
+        if pki is not None:
+            raw["tls"] = {
+                "ca": str(pki.ca_cert),
+                "cert": str(pki.site_cert),
+                "key": str(pki.site_key),
+            }
+        daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=pki is None, task=task)
         threading.Thread(target=daemon.run, daemon=True).start()
         stop_after.append(daemon)
     assert server.wait(90), "the run did not finish"
@@ -341,3 +349,82 @@ def test_site_daemons_over_parallel_streams_end_with_the_model_of_one_stream(
     assert "downloading over 4 streams" in caplog.text
     single = _flat_run(tmp_path, stop_after, 1)
     assert parallel.equal(single)
+
+
+@pytest.mark.integration
+def test_with_tls_site_daemons_over_parallel_streams_end_with_the_model_of_one_stream(
+    pki, tmp_path, stop_after, caplog
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="fedtrain.runtime.site.daemon")
+    parallel = _flat_run(tmp_path, stop_after, 3, pki)
+    assert "uploading over 3 streams" in caplog.text
+    assert "shares the control connection" not in caplog.text  # each its own connection
+    assert parallel.equal(_flat_run(tmp_path / "plain", stop_after, 1))
+
+
+def _tls_control(
+    channel: grpc.Channel, who: Any, fingerprint: str, attach_to: str = ""
+) -> tuple[pb.ServerMessage, Any, Any]:
+    """Open Control like a site with TLS (answer the challenge with `who`'s proof); with
+    `attach_to`, as a parallel stream's connection of that session. (answer, call,
+    request queue)."""
+    import queue
+
+    requests: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+    call = pb_grpc.FedtrainStub(channel).Control(iter(requests.get, None), timeout=30)
+    challenge = next(call)
+    assert challenge.WhichOneof("kind") == "challenge"
+    join = pb.Join(
+        task_fingerprint=fingerprint, protocol_version=wire.PROTOCOL_VERSION, attach_to=attach_to
+    )
+    join.proof.CopyFrom(who.proof("join", challenge.challenge.nonce, "127.0.0.1"))
+    requests.put(pb.SiteMessage(join=join))
+    return next(call), call, requests
+
+
+@pytest.mark.integration
+def test_with_tls_a_connection_carries_a_sessions_streams_only_once_it_proved_its_certificate(
+    pki, tmp_path, stop_after
+) -> None:
+    from fedtrain.runtime import tls
+    from fedtrain.runtime.peer_auth import client_identity
+
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, sites=2, pki=pki, allowed_sites=["hospital-a", "hospital-b"]
+    )
+    stop_after.append(server)
+    address, fp = f"127.0.0.1:{server.port}", task_fingerprint(task)
+    site = client_identity(pki.site_cert, pki.site_key, pki.ca_cert)
+    other = client_identity(*tls.issue_site(pki.ca_dir, tmp_path / "b", "hospital-b"), pki.ca_cert)
+    version = server.coordinator.global_model.version
+    stop_after.append(connections := Connections(server.port, 0))
+    channels = [grpc.secure_channel(address, c.credentials) for c in (site, site, other)]
+    connections.channels += channels
+    joined, extra, thief = channels
+    welcome, *control = _tls_control(joined, site, fp)
+    token = welcome.welcome.session_token
+    request = pb.ModelRequest(version=version, session_token=token, offset=0, end=CHUNK)
+
+    def download(channel: grpc.Channel) -> list[pb.ModelPiece]:
+        return list(pb_grpc.FedtrainStub(channel).DownloadModel(request, timeout=10))
+
+    with pytest.raises(grpc.RpcError) as info:  # the token alone: refused
+        download(extra)
+    assert info.value.code() is grpc.StatusCode.PERMISSION_DENIED
+    answer, *attached = _tls_control(extra, site, fp, attach_to=token)
+    assert answer.WhichOneof("kind") == "welcome" and answer.welcome.session_token == token
+    assert download(extra)[0].manifest.model_version == version  # now it carries transfers
+    # Another site's certificate cannot make its connection carry hospital-a's streams.
+    refusal, *_ = _tls_control(thief, other, fp, attach_to=token)
+    assert refusal.WhichOneof("kind") == "reject" and "not its own" in refusal.reject.reason
+    with pytest.raises(grpc.RpcError):
+        download(thief)
+    attached[1].put(None)  # the parallel connection's stream ends: it carries no more
+    session = server.registry.get("hospital-a")
+    wait_for(lambda: not session.connections, 10, "the connection to be dropped")
+    with pytest.raises(grpc.RpcError):
+        download(extra)
+    refused = read_audit(server.run_dir.path / "audit.jsonl", "join_refused")
+    assert [r["cause"] for r in refused] == ["other_session"]
+    control[1].put(None)

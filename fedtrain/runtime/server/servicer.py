@@ -163,6 +163,9 @@ class FedtrainServicer:
             return
         site, certificate = admitted
         identity = certificate.audit_fields() if certificate else {}
+        if first.join.attach_to:
+            await self._serve_connection(context, site, certificate, first.join.attach_to)
+            return
         if self.coordinator.finished.is_set():
             await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
@@ -264,6 +267,51 @@ class FedtrainServicer:
                     self._lost(session, "control stream broke")
                 else:
                     self._leave(session, "control stream closed")
+
+    async def _serve_connection(
+        self,
+        context: grpc.aio.ServicerContext,
+        site: str,
+        certificate: PeerCertificate | None,
+        token: str,
+    ) -> None:
+        """A connection that carries the parallel streams of session `token` (it proved
+        the session's own certificate at its Join): its bulk requests count as the
+        session's while this stream is open (until the site closes it, the connection
+        dies or the session ends)."""
+        peer = context.peer()
+        pem = certificate.pem if certificate else b""
+        session = self.registry.by_token(token)
+        if (
+            session is None
+            or (session.site, session.certificate) != (site, pem)
+            or len(session.connections) >= wire.MAX_TRANSFER_STREAMS
+            or not self.registry.add_connection(session, peer)
+        ):
+            refusal = Refusal(
+                "other_session",
+                f"site {site!r} asked to carry the transfers of a session that is not its "
+                "own or has ended (it must join or rejoin first), or that has "
+                f"{wire.MAX_TRANSFER_STREAMS} connections already",
+                site=site,
+                details=certificate.audit_fields() if certificate else {},
+            )
+            await self._refuse_join(context, peer, refusal)
+            return
+        try:
+            welcome = pb.Welcome(
+                run_id=self.coordinator.run_id,
+                session_token=token,
+                site_name=site,
+                chunk_bytes=self.config.chunk_bytes,
+            )
+            await context.write(pb.ServerMessage(welcome=welcome))
+            while await context.read() is not grpc.aio.EOF:
+                pass  # nothing is expected: the site only keeps the stream open
+        except grpc.RpcError:
+            pass
+        finally:
+            self.registry.drop_connection(session, peer)
 
     def _silence_allowed(self, interval_s: float) -> float:
         """A site's heartbeat timeout, scaled with the interval it was told."""
@@ -542,7 +590,7 @@ class FedtrainServicer:
                 "site must rejoin it (Join.resume_token) before it transfers again",
                 site=session.site,
             )
-        if self.secure and session.peer != context.peer():
+        if self.secure and context.peer() not in (session.peer, *session.connections):
             await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,

@@ -178,28 +178,33 @@ class Link:
     #: Set while a control stream serves the session; cleared while the link is down
     #: and the daemon tries to rejoin it (Join.resume_token), so that transfers wait.
     up: threading.Event = field(default_factory=threading.Event)
-    #: Makes a channel of its own (a connection) for a parallel stream.
-    dial: Callable[[], grpc.Channel] | None = None
-    #: The parallel streams' channels beyond the control stream's (`stream_channel`).
-    extra_channels: list[grpc.Channel] = field(default_factory=list)
+    #: Makes a connection of its own for a parallel stream: (its channel, what closes it).
+    dial: Callable[[Link], tuple[grpc.Channel, Callable[[], None]]] | None = None
+    #: The parallel streams' connections beyond the control stream's (`stream_channel`).
+    extra_channels: list[tuple[grpc.Channel, Callable[[], None]]] = field(default_factory=list)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stream_channel(self, number: int) -> grpc.Channel:
         """The channel of parallel stream `number`: the control stream's for 0, else one
         of its own, dialled at first use and kept for the session (its connection's
-        congestion window then carries over from one transfer to the next)."""
+        congestion window then carries over from one transfer to the next). One that
+        cannot be dialled is the control stream's (the stream then shares it)."""
         if number == 0 or self.dial is None:
             return self.channel
         with self._channels_lock:
             while len(self.extra_channels) < number:
-                self.extra_channels.append(self.dial())
-            return self.extra_channels[number - 1]
+                try:
+                    self.extra_channels.append(self.dial(self))
+                except (grpc.RpcError, FedtrainError) as exc:
+                    log.warning("a parallel stream shares the control connection: %s", exc)
+                    self.extra_channels.append((self.channel, lambda: None))
+            return self.extra_channels[number - 1][0]
 
     def close_channels(self) -> None:
         with self._channels_lock:
             channels, self.extra_channels = self.extra_channels, []
-        for channel in channels:
-            channel.close()
+        for _, close in channels:
+            close()
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -385,8 +390,46 @@ class SiteDaemon:
             options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
         return grpc.secure_channel(self.config.server, self._identity.credentials, options=options)
 
-    def _join_message(self, challenge: pb.Challenge | None = None) -> pb.SiteMessage:
-        """The Join; with TLS it answers the server's challenge with this site's proof."""
+    def _dial_stream(self, link: Link) -> tuple[grpc.Channel, Callable[[], None]]:
+        """A connection of its own for one of `link`'s parallel streams. With TLS the
+        server takes bulk requests only on connections that proved the session's
+        certificate: this one joins the session first (Join.attach_to) and keeps that
+        stream open while it is used."""
+        channel = self._channel()
+        if self._identity is None:
+            return channel, channel.close
+        outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+        control = channel.stream_stream(
+            wire.method_path("Control"),
+            request_serializer=pb.SiteMessage.SerializeToString,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
+        call = control(_drain(outbox))
+
+        def close() -> None:
+            outbox.put(None)
+            call.cancel()
+            channel.close()
+
+        try:
+            for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "challenge":
+                    outbox.put(self._join_message(message.challenge, attach_to=link.token))
+                elif kind == "welcome":
+                    return channel, close
+                elif kind == "reject":
+                    raise JoinRefused(message.reject.reason)
+            raise ProtocolError("the server closed a parallel stream's connection at once")
+        except BaseException:
+            close()
+            raise
+
+    def _join_message(
+        self, challenge: pb.Challenge | None = None, attach_to: str = ""
+    ) -> pb.SiteMessage:
+        """The Join; with TLS it answers the server's challenge with this site's proof.
+        With `attach_to`: the Join of a parallel stream's connection to that session."""
         cached = self._cache[0] if self._cache is not None else ""
         join = pb.Join(
             site_name=self.name if (self.insecure or self.config.name) else "",
@@ -394,7 +437,8 @@ class SiteDaemon:
             protocol_version=wire.PROTOCOL_VERSION,
             capabilities=self.capabilities,
             cached_model_version=cached,
-            resume_token=self._away.token if self._away is not None else "",
+            resume_token="" if attach_to or self._away is None else self._away.token,
+            attach_to=attach_to,
         )
         if challenge is not None and self._identity is not None:
             server_name = self.config.tls.server_name or dialled_host(self.config.server)
@@ -517,11 +561,7 @@ class SiteDaemon:
             log.warning("the server did not keep this site's session; work in flight is lost")
             self._end_link(away)
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
-        if self._identity is None:
-            # With TLS a bulk stream must travel on the connection its session proved
-            # its certificate on, so parallel streams (other connections) need an
-            # insecure link until connections can join a session.
-            link.dial = self._channel
+        link.dial = self._dial_stream
         link.codec = self._codec(w)
         link.download_codec = self._download_codec(w)
         link.heartbeat_interval_s = w.heartbeat_interval_s
