@@ -79,7 +79,10 @@ UPLOAD_GO_AHEAD = "fedtrain-go-ahead"
 UPLOAD_ID = "fedtrain-upload-id"
 UPLOAD_OFFSET = "fedtrain-upload-offset"
 #: Parallel streams a site may use per transfer (site.toml transfer_streams).
-MAX_TRANSFER_STREAMS = 32
+MAX_TRANSFER_STREAMS = 64
+#: Chunk size of a transfer over parallel streams (at most the server's chunk_bytes):
+#: fine enough that a 40 MB model makes over a hundred ranges for the streams to share.
+RANGE_CHUNK_BYTES = 256 * 1024
 #: Ranges one upload may be cut into (a few per stream, so that fast streams take more):
 #: more are refused, so that one site cannot make the server track thousands.
 MAX_UPLOAD_RANGES = 256

@@ -674,6 +674,7 @@ class FedtrainServicer:
                     current=model is self.coordinator.global_model,
                     held=request.held_version,
                     run=self._run,
+                    ranged=request.end > 0,
                 )
                 end = min(request.end or manifest.total_bytes, manifest.total_bytes)
                 if request.offset > end:

@@ -866,7 +866,7 @@ class SiteDaemon:
         # Parallel streams (when this link may use them): the first asks for the first
         # chunk's worth, and its manifest says how large the rest is to share out.
         single = link.dial is None or self.config.transfer_streams == 1
-        first_end = 0 if single else link.chunk_bytes
+        first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
         if deadline_unix:
             manifest, pieces = self._through_outages(
                 link, deadline_unix, "download", lambda: request(0, first_end)
@@ -878,7 +878,8 @@ class SiteDaemon:
             chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
             return receive_model(manifest, chunks, link.download_codec, previous, held)
         streams = self._streams(link, total)
-        ranges = [(0, first_end), *byte_ranges(first_end, total, streams * RANGES_PER_STREAM)]
+        count = min(streams * RANGES_PER_STREAM, (total - first_end) // first_end)
+        ranges = [(0, first_end), *byte_ranges(first_end, total, max(1, count))]
         positions = chunk_positions(manifest)
         opened = [pieces]  # the first range's stream is open already
 

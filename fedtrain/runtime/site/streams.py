@@ -41,14 +41,15 @@ from fedtrain.tensors import Chunk, torch_dtype
 _T = TypeVar("_T")
 
 #: Automatic choice: a stream for every this many bytes of the transfer...
-AUTO_BYTES_PER_STREAM = 2 * 1024 * 1024
+AUTO_BYTES_PER_STREAM = 1024 * 1024
 #: ...and at most this many (connections per site while it transfers).
-AUTO_MAX_STREAMS = 16
+AUTO_MAX_STREAMS = 32
 #: Ranges per stream: streams that run fast take more of them.
 RANGES_PER_STREAM = 4
 #: Upload chunks are at most this large with parallel streams (the server accepts any
-#: chunk up to its chunk_bytes), so that there are enough ranges to share out.
-PARALLEL_CHUNK_BYTES = 1024 * 1024
+#: chunk up to its chunk_bytes), so that there are enough ranges to share out; the
+#: server cuts a ranged download's chunks as finely.
+PARALLEL_CHUNK_BYTES = wire.RANGE_CHUNK_BYTES
 
 
 class UpdateChunks:
