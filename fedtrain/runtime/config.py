@@ -498,8 +498,8 @@ class SiteConfig:
         "Parallel streams (separate connections to the server) per model download and "
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
         "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s). 0: automatic, one per "
-        "2 MiB of the transfer, at most 16; 1: one stream. Masked (secure aggregation) "
-        "uploads always use one.",
+        "MiB of the transfer, at most 32; 1: one stream (one connection, as before). "
+        "Masked (secure aggregation) uploads always use one.",
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")

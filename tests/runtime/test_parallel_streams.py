@@ -22,42 +22,26 @@ import grpc
 import pytest
 import torch
 from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
+from test_upload_resume import _audit, _delta, _sites
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
-from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
-from fedtrain.runtime.site.streams import byte_ranges, stream_count
+from fedtrain.runtime.site.streams import (
+    AUTO_BYTES_PER_STREAM,
+    AUTO_MAX_STREAMS,
+    byte_ranges,
+    stream_count,
+)
 from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, StateAssembler
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _audit(server: AggregationServer, event: str) -> list[dict[str, Any]]:
-    return [r for r in read_audit(server.run_dir.path / "audit.jsonl") if r["event"] == event]
-
-
-def _sites(tmp_path, stop_after, names=("alpha", "beta"), **extra: Any) -> tuple[Any, ...]:
-    task = TinyTask()
-    server = inprocess_server(tmp_path, task, sites=len(names), **extra)
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    sites = [FakeSite(server.port, name, fp) for name in names]
-    stop_after += sites
-    version = {s.expect("instruction").instruction.model_version for s in sites}.pop()
-    return server, version, *sites
-
-
-def _delta(server: AggregationServer, seed: int) -> ModelState:
-    gen = torch.Generator().manual_seed(seed)
-    specs = server.coordinator.global_model.state
-    return ModelState({k: torch.randn(v.shape, generator=gen) for k, v in specs.items()})
 
 
 class Connections:
@@ -292,10 +276,11 @@ def test_a_download_in_ranges_reassembles_the_model_exactly(tmp_path, stop_after
 
 
 def test_the_automatic_stream_count_grows_with_the_transfer() -> None:
-    assert stream_count(0, 400_000) == 1
-    assert stream_count(0, 40 << 20) == 16
-    assert stream_count(0, 5 << 20) == 2
-    assert stream_count(3, 100) == 3
+    per, most = AUTO_BYTES_PER_STREAM, AUTO_MAX_STREAMS
+    assert stream_count(0, 400_000) == 1  # a small model: one connection, as before
+    assert stream_count(0, 3 * per) == 3
+    assert stream_count(0, 1000 * per) == most
+    assert stream_count(5, 100) == 5  # site.toml's choice wins
 
 
 def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int, pki: Any = None) -> ModelState:

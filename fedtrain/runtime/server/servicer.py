@@ -22,7 +22,9 @@ locks or the CPU (validating and folding chunks, protocol messages, joins and le
 which reach the coordinator's state) runs on a small fixed pool (`cpu_threads`), so
 the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
 downloads and uploads moved at once, so journal memory and open files stay bounded
-however many sites there are.
+however many sites there are. A site may spread a transfer over parallel streams
+(separate connections, a byte range each: `resumable.py`, `site/streams.py`); they
+share the transfer's one slot (`transfer_slots.py`).
 """
 
 from __future__ import annotations
