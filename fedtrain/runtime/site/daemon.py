@@ -156,6 +156,16 @@ class Backoff:
         self._cap = self.min_s
 
 
+@dataclass
+class StreamConnection:
+    """A parallel stream's connection: its channel, what closes it, and whether it may
+    still carry the session's transfers."""
+
+    channel: grpc.Channel
+    close: Callable[[], None] = lambda: None
+    alive: Callable[[], bool] = lambda: True
+
+
 @dataclass(eq=False)
 class Link:
     """One joined session: its channel, token and the queue that feeds the control stream."""
@@ -178,33 +188,43 @@ class Link:
     #: Set while a control stream serves the session; cleared while the link is down
     #: and the daemon tries to rejoin it (Join.resume_token), so that transfers wait.
     up: threading.Event = field(default_factory=threading.Event)
-    #: Makes a connection of its own for a parallel stream: (its channel, what closes it).
-    dial: Callable[[Link], tuple[grpc.Channel, Callable[[], None]]] | None = None
+    #: Makes a connection of its own for a parallel stream (`StreamConnection`).
+    dial: Callable[[Link], StreamConnection] | None = None
     #: The parallel streams' connections beyond the control stream's (`stream_channel`).
-    extra_channels: list[tuple[grpc.Channel, Callable[[], None]]] = field(default_factory=list)
+    extra_channels: list[StreamConnection] = field(default_factory=list)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def stream_channel(self, number: int) -> grpc.Channel:
         """The channel of parallel stream `number`: the control stream's for 0, else one
         of its own, dialled at first use and kept for the session (its connection's
-        congestion window then carries over from one transfer to the next). One that
-        cannot be dialled is the control stream's (the stream then shares it)."""
+        congestion window then carries over from one transfer to the next). One whose
+        session stream ended (with TLS: its connection was lost) is dialled again; one
+        that cannot be dialled is the control stream's (the stream then shares it)."""
         if number == 0 or self.dial is None:
             return self.channel
         with self._channels_lock:
             while len(self.extra_channels) < number:
-                try:
-                    self.extra_channels.append(self.dial(self))
-                except (grpc.RpcError, FedtrainError) as exc:
-                    log.warning("a parallel stream shares the control connection: %s", exc)
-                    self.extra_channels.append((self.channel, lambda: None))
-            return self.extra_channels[number - 1][0]
+                self.extra_channels.append(self._dial())
+            connection = self.extra_channels[number - 1]
+            if not connection.alive():
+                connection.close()
+                connection = self.extra_channels[number - 1] = self._dial()
+            return connection.channel
+
+    def _dial(self) -> StreamConnection:
+        assert self.dial is not None
+        try:
+            return self.dial(self)
+        except (grpc.RpcError, FedtrainError) as exc:
+            log.warning("a parallel stream shares the control connection: %s", exc)
+            return StreamConnection(self.channel)
 
     def close_channels(self) -> None:
+        """Close the parallel streams' connections (they are dialled again when needed)."""
         with self._channels_lock:
-            channels, self.extra_channels = self.extra_channels, []
-        for _, close in channels:
-            close()
+            connections, self.extra_channels = self.extra_channels, []
+        for connection in connections:
+            connection.close()
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -390,14 +410,14 @@ class SiteDaemon:
             options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
         return grpc.secure_channel(self.config.server, self._identity.credentials, options=options)
 
-    def _dial_stream(self, link: Link) -> tuple[grpc.Channel, Callable[[], None]]:
+    def _dial_stream(self, link: Link) -> StreamConnection:
         """A connection of its own for one of `link`'s parallel streams. With TLS the
         server takes bulk requests only on connections that proved the session's
         certificate: this one joins the session first (Join.attach_to) and keeps that
         stream open while it is used."""
         channel = self._channel()
         if self._identity is None:
-            return channel, channel.close
+            return StreamConnection(channel, channel.close)
         outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
         control = channel.stream_stream(
             wire.method_path("Control"),
@@ -417,7 +437,7 @@ class SiteDaemon:
                 if kind == "challenge":
                     outbox.put(self._join_message(message.challenge, attach_to=link.token))
                 elif kind == "welcome":
-                    return channel, close
+                    return StreamConnection(channel, close, lambda: not call.done())
                 elif kind == "reject":
                     raise JoinRefused(message.reject.reason)
             raise ProtocolError("the server closed a parallel stream's connection at once")
@@ -553,6 +573,7 @@ class SiteDaemon:
         away, self._away = self._away, None
         if away is not None and w.resumed and w.session_token == away.token:
             away.channel, away.outbox = channel, outbox
+            away.close_channels()  # their connections failed too: dialled (and proven) anew
             away.heartbeat_interval_s = w.heartbeat_interval_s
             away.up.set()  # transfers waiting for the link continue on the new channel
             log.info("site %r rejoined its session of run %s", w.site_name, w.run_id)
@@ -1042,8 +1063,8 @@ class SiteDaemon:
                 # is then not encoded for nothing).
                 call = calls.get()
                 metadata = dict(call.initial_metadata() or ())
-                if call.done():
-                    return
+                if call.done() or wire.UPLOAD_GO_AHEAD not in metadata:
+                    return  # refused or broken before the go-ahead: the call says why
                 shared.told(str(metadata.get(wire.UPLOAD_ID, "")))
                 offset = int(metadata.get(wire.UPLOAD_OFFSET, 0)) - header.range_start
                 if offset:
