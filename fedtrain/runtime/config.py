@@ -497,9 +497,10 @@ class SiteConfig:
         0,
         "Parallel streams (separate connections to the server) per model download and "
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
-        "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s). 0: automatic, one per "
-        "MiB of the transfer, at most 32; 1: one stream (one connection, as before). "
-        "Masked (secure aggregation) uploads always use one.",
+        "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 32 reached ~45% of a "
+        "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
+        "better. 0: automatic, one stream for now (benchmarks/RESULTS.md, 'WAN: parallel "
+        "streams'). Masked (secure aggregation) uploads always use one.",
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")

@@ -1,5 +1,6 @@
 """A TCP proxy on 127.0.0.1 that moves at most `rate` bytes per second each way: one
-site's slow link, for tests of what the server does about it."""
+site's slow link, for tests of what the server does about it. The rate is the link's,
+shared by all the connections through it (a site's parallel streams share its link)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ class SlowLink:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
+        #: Per direction, when the link is free again (loop time): connections queue on it.
+        self._free = {"up": 0.0, "down": 0.0}
 
     def __enter__(self) -> SlowLink:
         self._thread.start()
@@ -46,15 +49,22 @@ class SlowLink:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer, "up"),
+            self._pipe(up_reader, writer, "down"),
+            return_exceptions=True,
         )
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str
+    ) -> None:
         try:
             while data := await reader.read(PIECE):
+                now = self._loop.time()
+                done = max(now, self._free[direction]) + len(data) / self.rate
+                self._free[direction] = done
+                await asyncio.sleep(done - now)
                 writer.write(data)
                 await writer.drain()
-                await asyncio.sleep(len(data) / self.rate)
         finally:
             writer.close()
             with contextlib.suppress(Exception):

@@ -31,12 +31,7 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
-from fedtrain.runtime.site.streams import (
-    AUTO_BYTES_PER_STREAM,
-    AUTO_MAX_STREAMS,
-    byte_ranges,
-    stream_count,
-)
+from fedtrain.runtime.site.streams import PARALLEL_CHUNK_BYTES, byte_ranges, stream_count
 from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, StateAssembler
@@ -275,12 +270,10 @@ def test_a_download_in_ranges_reassembles_the_model_exactly(tmp_path, stop_after
     assert assembler.finish().equal(server.coordinator.global_model.state)
 
 
-def test_the_automatic_stream_count_grows_with_the_transfer() -> None:
-    per, most = AUTO_BYTES_PER_STREAM, AUTO_MAX_STREAMS
-    assert stream_count(0, 400_000) == 1  # a small model: one connection, as before
-    assert stream_count(0, 3 * per) == 3
-    assert stream_count(0, 1000 * per) == most
-    assert stream_count(5, 100) == 5  # site.toml's choice wins
+def test_the_site_chooses_the_stream_count_and_a_single_chunk_travels_alone() -> None:
+    assert stream_count(0, 40 << 20) == 1  # automatic: one stream (see streams.py)
+    assert stream_count(8, 40 << 20) == 8  # site.toml's choice
+    assert stream_count(8, PARALLEL_CHUNK_BYTES) == 1  # nothing to share out
 
 
 def _flat_run(tmp_path: Path, stop_after: list[Any], streams: int, pki: Any = None) -> ModelState:

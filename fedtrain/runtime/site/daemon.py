@@ -886,7 +886,7 @@ class SiteDaemon:
 
         # Parallel streams (when this link may use them): the first asks for the first
         # chunk's worth, and its manifest says how large the rest is to share out.
-        single = link.dial is None or self.config.transfer_streams == 1
+        single = self._streams(link, PARALLEL_CHUNK_BYTES + 1) == 1
         first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
         if deadline_unix:
             manifest, pieces = self._through_outages(

@@ -16,17 +16,17 @@ and range_start/range_end), and a stream that breaks resumes only its own range.
 Downloads ask for byte ranges of the same download (ModelRequest.offset/end); the
 chunks of all streams go into one `StateAssembler`, which refuses any byte twice.
 
-How many streams (`transfer_streams` in site.toml; 0: automatic): one per
-`AUTO_BYTES_PER_STREAM` of the transfer, at most `AUTO_MAX_STREAMS`. A transfer of a
-MiB or two is over in a few round trips either way (more connections only add
-handshakes); a large one on a clean link loses nothing to more flows (they share the
-bottleneck, and their windows open together), and on a lossy one each flow adds its
-share until the link is full or the machine's CPU is: on the emulated 100 Mbit/s,
-40 ms, 1% loss link 16 streams reached about a third of the line rate and 32 about
-half, 64 no more than 32 (benchmarks/RESULTS.md "WAN: parallel streams"). The cap
-bounds what one site costs the server: a connection (a file descriptor, ~50 KB) per
-stream while it transfers; the streams of one transfer share one of the server's
-`max_transfers` slots.
+How many streams (`transfer_streams` in site.toml): the site's choice; 0 (automatic)
+is one stream for now. Measured on the emulated 100 Mbit/s, 40 ms links
+(benchmarks/RESULTS.md "WAN: parallel streams", a busy 2-core machine): at 1% loss
+under cubic 32 streams reach 44-47% of the line rate where one reaches 3%, but on a
+clean link they cost (50-58% against 80-87% with one), one BBR stream beats 32 cubic
+ones at 1% loss (82%), and with many streams the server's download-rate estimate
+(`links.py`) reads high by what the streams' buffers hold. No fixed count serves both
+links, so the automatic choice stays at one until it adapts to the measured rate
+(probe more streams while they raise it). A stream costs the server a connection (a
+file descriptor, ~50 KB) while it transfers; the streams of one transfer share one of
+the server's `max_transfers` slots.
 """
 
 from __future__ import annotations
@@ -46,10 +46,6 @@ from fedtrain.tensors import Chunk, torch_dtype
 
 _T = TypeVar("_T")
 
-#: Automatic choice: a stream for every this many bytes of the transfer...
-AUTO_BYTES_PER_STREAM = 1024 * 1024
-#: ...and at most this many (connections per site while it transfers).
-AUTO_MAX_STREAMS = 32
 #: Ranges per stream: streams that run fast take more of them.
 RANGES_PER_STREAM = 4
 #: Upload chunks are at most this large with parallel streams (the server accepts any
@@ -88,10 +84,11 @@ class UpdateChunks:
 
 
 def stream_count(configured: int, nbytes: int) -> int:
-    """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice."""
-    if configured > 0:
-        return configured
-    return max(1, min(AUTO_MAX_STREAMS, nbytes // AUTO_BYTES_PER_STREAM))
+    """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice
+    (one: see the module doc); a transfer of one chunk or less has nothing to share."""
+    if configured <= 0 or nbytes <= PARALLEL_CHUNK_BYTES:
+        return 1
+    return configured
 
 
 @dataclass
