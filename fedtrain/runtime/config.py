@@ -497,7 +497,7 @@ class SiteConfig:
         0,
         "Parallel streams (separate connections to the server) per model download and "
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
-        "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 32 reached ~45% of a "
+        "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
         "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
         "better. 0: automatic, one stream for now (benchmarks/RESULTS.md, 'WAN: parallel "
         "streams'). Masked (secure aggregation) uploads always use one.",

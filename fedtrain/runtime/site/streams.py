@@ -18,10 +18,10 @@ chunks of all streams go into one `StateAssembler`, which refuses any byte twice
 
 How many streams (`transfer_streams` in site.toml): the site's choice; 0 (automatic)
 is one stream for now. Measured on the emulated 100 Mbit/s, 40 ms links
-(benchmarks/RESULTS.md "WAN: parallel streams", a busy 2-core machine): at 1% loss
-under cubic 32 streams reach 44-47% of the line rate where one reaches 3%, but on a
-clean link they cost (50-58% against 80-87% with one), one BBR stream beats 32 cubic
-ones at 1% loss (82%), and with many streams the server's download-rate estimate
+(benchmarks/RESULTS.md "WAN: parallel streams"): at 1% loss under cubic 32 / 64
+streams reach 58% / 68% of the line rate where one reaches 3%, but on a clean link they
+cost (79% with 32 against 89% with one), one BBR stream beats them at 1% loss (84%),
+and with many streams the server's download-rate estimate
 (`links.py`) reads high by what the streams' buffers hold. No fixed count serves both
 links, so the automatic choice stays at one until it adapts to the measured rate
 (probe more streams while they raise it). A stream costs the server a connection (a
