@@ -99,9 +99,10 @@ def _write_configs(
     server_options: Mapping[str, Any],
     host: str = "127.0.0.1",
     task_options: Mapping[str, Any] | None = None,
+    site_options: Mapping[str, Any] | None = None,
 ) -> tuple[Path, list[Path]]:
-    """server.toml (``server_options`` on top) and site-i.toml (plus a CA and
-    certificates when ``tls``)."""
+    """server.toml (``server_options`` on top) and site-i.toml (``site_options`` on top;
+    plus a CA and certificates when ``tls``)."""
     from fedtrain.runtime import tls as fedtls
     from fedtrain.runtime.demo import dump_toml
 
@@ -143,6 +144,7 @@ def _write_configs(
             "data": {"partition": i, "num_partitions": num_sites},
             # Sites start before the server listens; retry quickly instead of backing off.
             "reconnect": {"min_s": 0.1, "max_s": 0.5},
+            **(site_options or {}),
         }
         if tls:
             site["tls"] = site_tls[name]
@@ -239,11 +241,13 @@ def run_fedtrain_deployment(
     extra_env: Mapping[str, str] | None = None,
     all_sites_required: bool = True,
     task_options: Mapping[str, Any] | None = None,
+    site_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``rounds`` FedAvg rounds of a ``num_params`` float32 model on fedtrain's runtime.
 
     ``server_options`` are server.toml keys set on top of the benchmark's own;
-    ``task_options`` are FlatTask options besides ``num_params``.
+    ``task_options`` are FlatTask options besides ``num_params``; ``site_options`` are
+    site.toml keys set on top of the benchmark's own.
     ``host`` is the address the server listens on and the sites dial; ``wrap(name,
     argv)`` returns the command that runs process ``name`` (``server``, ``site-i``),
     e.g. inside a network namespace (it must exec, keeping the PID); ``extra_env`` is
@@ -280,6 +284,7 @@ def run_fedtrain_deployment(
         server_options or {},
         host,
         task_options,
+        site_options,
     )
     marker = uuid.uuid4().hex
     env = dict(os.environ)

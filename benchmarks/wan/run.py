@@ -262,9 +262,15 @@ def _log_events(path: Path) -> tuple[int, list[str], int]:
 
 
 def run_system(
-    system: str, scenario: Scenario, wan: EmulatedWan, num_params: int, workdir: Path
+    system: str,
+    scenario: Scenario,
+    wan: EmulatedWan,
+    num_params: int,
+    workdir: Path,
+    site_options: dict[str, Any] | None = None,
 ) -> SystemRun:
-    """Run one system over the WAN as it stands; links are reset afterwards."""
+    """Run one system over the WAN as it stands; links are reset afterwards.
+    `site_options`: fedtrain site.toml keys (e.g. transfer_streams)."""
     run = SystemRun(system, scenario.rounds, scenario.deadline_s)
     if system == "flower" and not scenario.flower:
         run.skipped = f"not run: {scenario.flower_note}"
@@ -302,6 +308,7 @@ def run_system(
                 scenario.deadline_s,
                 server_options=options,
                 task_options={"incompressible": True},
+                site_options=site_options,
                 all_sites_required=False,
                 **common,
             )
@@ -347,6 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="override every scenario's")
     parser.add_argument("--deadline", type=float, default=None, help="seconds per system run")
     parser.add_argument("--cc", default=None, help="TCP congestion control (default: cubic)")
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        help="fedtrain sites' transfer_streams (default: the site's own default, automatic)",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
@@ -384,7 +397,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         with EmulatedWan(nodes_for(prefix), scenario.links, workdir / scenario.name) as wan:
             for system in systems:
-                runs.append(run_system(system, scenario, wan, args.params, workdir / scenario.name))
+                site_options = None if args.streams is None else {"transfer_streams": args.streams}
+                runs.append(
+                    run_system(
+                        system, scenario, wan, args.params, workdir / scenario.name, site_options
+                    )
+                )
         results.append((scenario, bound, runs))
         if args.json:
             write_json(args.json, results)

@@ -28,7 +28,7 @@ from fedtrain.observability.mlflow_tracking import TrackingConfig
 from fedtrain.observability.tensorboard import TENSORBOARD_DOC, TENSORBOARD_SITES_DOC
 from fedtrain.personalize import PERSONALIZE_DOC, PERSONALIZE_MAX_DOC, check_epochs
 from fedtrain.runtime.tls_config import DEFAULT_ADDRESS, ServerTlsConfig, SiteTlsConfig
-from fedtrain.runtime.wire import HEADER_ALLOWANCE
+from fedtrain.runtime.wire import HEADER_ALLOWANCE, MAX_TRANSFER_STREAMS
 from fedtrain.secagg.settings import SecAggSettings
 from fedtrain.simulation.config import SCHEDULE_DOC, PartitionConfig, StrategyConfig
 from fedtrain.strategy import Schedule, Strategy
@@ -548,6 +548,15 @@ class SiteConfig:
         "server.toml): fp16, bf16, int8, topk, and delta (changes from the version it "
         "holds). [] : always the model in its own dtypes (exact, more bytes).",
     )
+    transfer_streams: int = option(
+        0,
+        "Parallel streams (separate connections to the server) per model download and "
+        "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
+        "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
+        "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
+        "better. 0: automatic, one stream for now (benchmarks/RESULTS.md, 'WAN: parallel "
+        "streams'). Masked (secure aggregation) uploads always use one.",
+    )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")
     tls: SiteTlsConfig = section(
@@ -564,6 +573,11 @@ class SiteConfig:
         if self.nproc < 1:
             raise ConfigError(f"nproc must be >= 1, got {self.nproc}")
         check_epochs(self.personalize_max_epochs, "personalize_max_epochs")
+        if not 0 <= self.transfer_streams <= MAX_TRANSFER_STREAMS:
+            raise ConfigError(
+                f"transfer_streams must be 0 (automatic) to {MAX_TRANSFER_STREAMS}, got "
+                f"{self.transfer_streams}"
+            )
         if self.devices and self.nproc > 1:
             raise ConfigError(
                 f"devices = {self.devices} and nproc = {self.nproc}: set devices (one worker "

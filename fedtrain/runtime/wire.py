@@ -32,7 +32,9 @@ from fedtrain.tensors import Chunk, ModelState, TensorSpec
 #: 4: uploads resume from the offset the server holds (`UPLOAD_ID`, `UPLOAD_OFFSET`,
 #: UploadHeader.resume_id) and sessions survive outages (Join.resume_token).
 #: 5: a secure evaluation's masked vector carries the personalized figures (7 values).
-PROTOCOL_VERSION = 5
+#: 6: transfers may use parallel streams, each carrying a range (UploadHeader.range_start,
+#: range_end, UploadReceipt.partial; ModelRequest.end).
+PROTOCOL_VERSION = 6
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).
@@ -77,6 +79,14 @@ UPLOAD_GO_AHEAD = "fedtrain-go-ahead"
 #: order the site sends them, the server already holds (0 for a new upload).
 UPLOAD_ID = "fedtrain-upload-id"
 UPLOAD_OFFSET = "fedtrain-upload-offset"
+#: Parallel streams a site may use per transfer (site.toml transfer_streams).
+MAX_TRANSFER_STREAMS = 64
+#: Chunk size of a transfer over parallel streams (at most the server's chunk_bytes):
+#: fine enough that a 40 MB model makes over a hundred ranges for the streams to share.
+RANGE_CHUNK_BYTES = 256 * 1024
+#: Ranges one upload may be cut into (a few per stream, so that fast streams take more):
+#: more are refused, so that one site cannot make the server track thousands.
+MAX_UPLOAD_RANGES = 256
 
 #: Calls one connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS). A site
 #: needs four at most (control stream, download, upload, a retry overlapping its
@@ -159,6 +169,36 @@ def chunks_after(chunks: Iterable[Chunk], offset: int) -> Iterator[Chunk]:
         raise ProtocolError(
             f"the server holds {offset} bytes of this upload, but it has only {skipped}"
         )
+
+
+def chunks_between(chunks: Iterable[Chunk], start: int, end: int) -> Iterator[Chunk]:
+    """The chunks in bytes [start, end) of an upload (what one of its parallel streams
+    carries; `end` a chunk boundary, `start` one too, as `chunks_after` checks)."""
+    position = start
+    for chunk in chunks_after(chunks, start):
+        if position >= end:
+            return
+        position += len(chunk.data)
+        if position > end:
+            raise ProtocolError(f"byte {end} of this upload is not a chunk boundary")
+        yield chunk
+
+
+def chunk_ranges(sizes: Iterable[int], count: int) -> list[tuple[int, int]]:
+    """`count` (or fewer) contiguous byte ranges of about equal size over chunks of
+    `sizes`, split at chunk boundaries: how an upload is spread over parallel streams."""
+    sizes = list(sizes)
+    total = sum(sizes)
+    ranges: list[tuple[int, int]] = []
+    start = position = 0
+    for size in sizes:
+        position += size
+        if position * count >= total * (len(ranges) + 1) and position > start:
+            ranges.append((start, position))
+            start = position
+    if position > start or not ranges:
+        ranges.append((start, position))
+    return ranges
 
 
 # -- scalars (round config) ---------------------------------------------------------------

@@ -1,7 +1,8 @@
 """A TCP proxy on 127.0.0.1 that moves at most `rate` bytes per second each way: one
-site's slow link, for tests of what the server does about it. `up_rate`, when set,
-paces the site-to-server direction instead; both may change while it runs (a link
-that degrades)."""
+site's slow link, for tests of what the server does about it. The rate is the link's,
+shared by all the connections through it (a site's parallel streams share its link).
+`up_rate`, when set, paces the site-to-server direction instead; both may change while
+it runs (a link that degrades)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class SlowLink:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Server | None = None
+        #: Per direction, when the link is free again (loop time): connections queue on it.
+        self._free = {"up": 0.0, "down": 0.0}
 
     def __enter__(self) -> SlowLink:
         self._thread.start()
@@ -57,20 +60,32 @@ class SlowLink:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
         await asyncio.gather(
-            self._pipe(reader, up_writer, up=True),
-            self._pipe(up_reader, writer, up=False),
+            self._pipe(reader, up_writer, "up"),
+            self._pipe(up_reader, writer, "down"),
             return_exceptions=True,
         )
 
+    def _rate(self, direction: str) -> float:
+        return (self.up_rate if direction == "up" else None) or self.rate
+
+    def _piece(self, direction: str) -> int:
+        """At most ~10 ms of the link per piece (a packet at least), so that connections
+        sharing a slow link interleave as packets would, instead of one waiting seconds
+        behind another's 16 KiB."""
+        return max(1500, min(PIECE, int(self._rate(direction) / 100)))
+
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, up: bool
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str
     ) -> None:
         try:
-            while data := await reader.read(PIECE):
+            while data := await reader.read(self._piece(direction)):
+                now = self._loop.time()
+                rate = self._rate(direction)
+                done = max(now, self._free[direction]) + len(data) / rate
+                self._free[direction] = done
+                await asyncio.sleep(done - now)
                 writer.write(data)
                 await writer.drain()
-                rate = (self.up_rate if up else None) or self.rate
-                await asyncio.sleep(len(data) / rate)
         finally:
             writer.close()
             with contextlib.suppress(Exception):

@@ -61,23 +61,33 @@ class SharedDownloads:
         return bool(self.required) and self.required <= set(capabilities)
 
     async def prepare(
-        self, model: GlobalModel, *, encoded: bool, current: bool, held: str, run: Run
+        self,
+        model: GlobalModel,
+        *,
+        encoded: bool,
+        current: bool,
+        held: str,
+        run: Run,
+        ranged: bool = False,
     ) -> tuple[pb.Manifest, Pieces]:
         """The manifest and (what to yield, tensor bytes) of every chunk a site gets.
 
         `encoded`: the site is served the offered codec (`serves`); `current`: `model` is
         the server's current global model, the only one encoded and shared (an older
         FedBuff version travels as itself, chunked per download); `held`: the reference
-        version the site says it holds; `run`: runs a function on the CPU pool."""
+        version the site says it holds; `run`: runs a function on the CPU pool;
+        `ranged`: for one of parallel streams, in chunks of `wire.RANGE_CHUNK_BYTES`
+        (the same bytes in the same order, cut finer, so that there are enough ranges)."""
+        size = min(self.chunk_bytes, wire.RANGE_CHUNK_BYTES) if ranged else self.chunk_bytes
         if not current:
             plain = Download(model.version, model.state)
-            return self._manifest(model, plain), _Chunked(model.state, self.chunk_bytes)
+            return self._manifest(model, plain), _Chunked(model.state, size)
         if model.version != self._version:  # a new global model: the last one's encodings go
             self._version = model.version
             self._made.clear()
         download = await self._download(model, encoded, held, run)
         key = (model.version, "pieces", download.codec, download.base, str(download.reference))
-        pieces = await self._once(key, run, self._pieces, download.parts)
+        pieces = await self._once((*key, str(size)), run, self._pieces, download.parts, size)
         return self._manifest(model, download), pieces
 
     async def _download(self, model: GlobalModel, encoded: bool, held: str, run: Run) -> Download:
@@ -103,10 +113,10 @@ class SharedDownloads:
         if (future.cancelled() or future.exception() is not None) and self._made.get(key) is future:
             del self._made[key]
 
-    def _pieces(self, parts: ModelState) -> Pieces:
+    def _pieces(self, parts: ModelState, size: int) -> Pieces:
         if parts.nbytes > SHARED_DOWNLOAD_BYTES:
-            return _Chunked(parts, self.chunk_bytes)
-        return [(wire.encode_chunk_message(c), len(c.data)) for c in parts.chunks(self.chunk_bytes)]
+            return _Chunked(parts, size)
+        return [(wire.encode_chunk_message(c), len(c.data)) for c in parts.chunks(size)]
 
     def _advance(self, model: GlobalModel) -> tuple[Download | None, Download]:
         """Move the reference track to `model`: (the change from the previous reference,

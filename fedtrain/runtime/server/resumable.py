@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc
 
+from fedtrain.errors import TensorStreamError
+from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.rounds import UploadRefused
 from fedtrain.runtime.server.sessions import Session
@@ -59,8 +61,30 @@ def header_terms(header: pb.UploadHeader) -> tuple[Any, ...]:
 
 
 @dataclass(eq=False)
+class Lane:
+    """One stream's share of an upload: the update's bytes in [start, end), in the order
+    the site sends them. It is fed by one stream at a time (`generation`)."""
+
+    start: int
+    end: int
+    received: int = 0
+    generation: int = 0
+    attached: bool = False
+    #: The handler task of the stream that feeds it now (cancelled when superseded).
+    task: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.received == self.end - self.start
+
+
+@dataclass(eq=False)
 class HeldUpload:
-    """One upload and its journal, whichever stream feeds it (see the module doc)."""
+    """One upload and its journal, whichever streams feed it (see the module doc).
+
+    An upload spread over parallel streams has one `Lane` per range; the journal (and
+    its validator, which refuses any byte twice) is shared, and the update is
+    committed once, by the stream whose range completes it."""
 
     site: str
     token: str
@@ -71,12 +95,10 @@ class HeldUpload:
     #: What a plain update counts for (decided once, at its first stream); None: masked.
     weight: Any = None
     id: str = field(default_factory=lambda: secrets.token_hex(12))
-    generation: int = 0
-    attached: bool = False
+    #: The ranges streams have fed, by their start.
+    lanes: dict[int, Lane] = field(default_factory=dict)
     #: When its last stream broke off (the grace runs from then); inf until then.
     broke_at: float = math.inf
-    #: The handler task of the stream that feeds it now (cancelled when superseded).
-    task: Any = None
     ended: bool = False
     #: Why it was thrown away ("" while live or once completed).
     discarded: str = ""
@@ -87,39 +109,96 @@ class HeldUpload:
 
     @property
     def offset(self) -> int:
-        """Bytes of the update the server holds, in the order the site sends them."""
+        """Bytes of the update the server holds (of all its ranges)."""
         return self.sink.bytes_received
 
-    def attach(self, task: Any) -> tuple[int, int, Any]:
-        """Let the stream of `task` feed this upload: (its generation, the offset it
-        starts at, the task it superseded or None)."""
+    @property
+    def attached(self) -> bool:
+        """Whether a stream feeds it now."""
+        return any(lane.attached for lane in self.lanes.values())
+
+    def tasks(self) -> list[Any]:
+        """The handler tasks of the streams that feed it now."""
+        with self._lock:
+            return [lane.task for lane in self.lanes.values() if lane.task is not None]
+
+    def attach(self, task: Any, start: int, end: int) -> tuple[Lane, int, int, Any]:
+        """Let the stream of `task` feed the range [start, end) (0, 0: the whole update):
+        (its lane, its generation, the position it starts at, the task it superseded or
+        None). A range that overlaps another or runs past the update is refused."""
         with self._lock:
             if self.ended:
                 raise Superseded
-            self.generation += 1
-            old, self.task, self.attached = (self.task if self.attached else None), task, True
-            return self.generation, self.offset, old
+            lane = self._lane(start, end)
+            lane.generation += 1
+            old = lane.task if lane.attached else None
+            lane.task, lane.attached = task, True
+            return lane, lane.generation, lane.start + lane.received, old
 
-    def add(self, generation: int, chunk: Chunk, check: Callable[[], None]) -> int:
-        """Journal one chunk of stream `generation` (after `check()`, under the lock);
-        returns how many of its bytes the site had sent before (`resend`)."""
+    def _lane(self, start: int, end: int) -> Lane:
+        """The lane of [start, end), new or resumed (under the lock)."""
+        size = self.sink.expected_bytes
+        if (start, end) == (0, 0):
+            end = size
+        lane = self.lanes.get(start)
+        if lane is not None:
+            if lane.end != end:
+                raise _refused(
+                    f"a stream resumes the range from byte {start} to {end}, but that "
+                    f"range was opened to byte {lane.end}"
+                )
+            return lane
+        if not 0 <= start < end <= size:
+            raise _refused(
+                f"a stream for bytes [{start}, {end}) of an update of {size} bytes (out of range)"
+            )
+        if isinstance(self.sink, MaskedUpload) and (start, end) != (0, size):
+            raise _refused(
+                "a masked update travels on one stream (its chunks fold into the secure "
+                "sum in order), not in ranges"
+            )
+        if len(self.lanes) >= wire.MAX_UPLOAD_RANGES:
+            raise _refused(f"an upload may be cut into at most {wire.MAX_UPLOAD_RANGES} ranges")
+        for other in self.lanes.values():
+            if start < other.end and other.start < end:
+                raise _refused(
+                    f"a stream for bytes [{start}, {end}) overlaps the range "
+                    f"[{other.start}, {other.end}) of another stream of this upload"
+                )
+        lane = self.lanes[start] = Lane(start, end)
+        return lane
+
+    def add(self, lane: Lane, generation: int, chunk: Chunk, check: Callable[[], None]) -> int:
+        """Journal one chunk of stream `generation` of `lane` (after `check()`, under the
+        lock); returns how many of its bytes the site had sent before (`resend`)."""
         with self._lock:
-            if generation != self.generation or self.ended:
+            if generation != lane.generation or self.ended:
                 raise Superseded
             check()
+            if lane.received + len(chunk.data) > lane.end - lane.start:
+                raise TensorStreamError(
+                    f"{chunk.name!r}: a chunk runs past its stream's range "
+                    f"[{lane.start}, {lane.end}) of the update"
+                )
             self.sink.add(chunk)
+            lane.received += len(chunk.data)
             again = min(self.resend, len(chunk.data))
             self.resend -= again
             return again
 
-    def detach(self, generation: int) -> bool:
-        """Stream `generation` broke: keep the journal; False if another stream had
-        taken over or the upload ended (the broken stream then just goes away)."""
+    def detach(self, lane: Lane, generation: int) -> bool:
+        """Stream `generation` of `lane` broke: keep the journal; False if another stream
+        had taken over or the upload ended (the broken stream then just goes away)."""
         with self._lock:
-            if generation != self.generation or self.ended:
+            if generation != lane.generation or self.ended:
                 return False
-            self.attached, self.task, self.broke_at = False, None, time.monotonic()
+            self._release(lane)
             return True
+
+    def _release(self, lane: Lane) -> None:
+        lane.attached, lane.task = False, None
+        if not self.attached:
+            self.broke_at = time.monotonic()
 
     def abandoned_before_start(self) -> None:
         """The site went away while its stream waited for a transfer slot."""
@@ -127,23 +206,32 @@ class HeldUpload:
             if not self.attached:
                 self.broke_at = min(self.broke_at, time.monotonic())
 
-    def complete(self, generation: int, commit: Callable[[], None]) -> None:
-        """The stream ended: `commit()` (finish and fold) the whole upload, once."""
+    def finish(self, lane: Lane, generation: int) -> bool:
+        """Stream `generation` delivered its whole range: True if the update is now
+        whole and this stream must commit it (once), False if other ranges are missing."""
         with self._lock:
-            if generation != self.generation or self.ended:
+            if generation != lane.generation or self.ended:
                 raise Superseded
+            self._release(lane)
+            if not self.sink.whole:
+                return False
             self.ended = True
-            self.attached, self.task = False, None
-        commit()
+            return True
 
-    def end(self, reason: str) -> tuple[bool, Any]:
-        """Discard: (whether it was live, the task of the stream feeding it or None)."""
+    def end(self, reason: str) -> tuple[bool, list[Any]]:
+        """Discard: (whether it was live, the tasks of the streams feeding it)."""
         with self._lock:
             if self.ended:
-                return False, None
+                return False, []
             self.ended, self.discarded = True, reason
-            task, self.task, self.attached = self.task, None, False
-            return True, task
+            tasks = [lane.task for lane in self.lanes.values() if lane.task is not None]
+            for lane in self.lanes.values():
+                lane.attached, lane.task = False, None
+        return True, tasks
+
+
+def _refused(message: str) -> UploadRefused:
+    return UploadRefused(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 class HeldUploads:

@@ -22,7 +22,9 @@ locks or the CPU (validating and folding chunks, protocol messages, joins and le
 which reach the coordinator's state) runs on a small fixed pool (`cpu_threads`), so
 the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
 downloads and uploads moved at once, so journal memory and open files stay bounded
-however many sites there are.
+however many sites there are. A site may spread a transfer over parallel streams
+(separate connections, a byte range each: `resumable.py`, `site/streams.py`); they
+share the transfer's one slot (`transfer_slots.py`).
 """
 
 from __future__ import annotations
@@ -58,11 +60,18 @@ from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.links import TransferMeter
-from fedtrain.runtime.server.resumable import HeldUpload, HeldUploads, Superseded, header_terms
+from fedtrain.runtime.server.resumable import (
+    HeldUpload,
+    HeldUploads,
+    Lane,
+    Superseded,
+    header_terms,
+)
 from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.transfer_slots import TransferSlots
 from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.runtime.server.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.task import fingerprint_mismatch
@@ -129,7 +138,8 @@ class FedtrainServicer:
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
         self.codec = config.compression.build()  # decodes uploads (stateless at the server)
         self.weights = WeightPolicy(config.weights)
-        self._transfer_slots: asyncio.Semaphore | None = None
+        #: `max_transfers` slots; a transfer's parallel streams share one.
+        self.transfer_slots: TransferSlots[TransferMeter] = TransferSlots(config.max_transfers)
         #: What model downloads send: the encoding each site gets, made once per version.
         self.downloads = SharedDownloads(config.chunk_bytes, config.download)
         #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
@@ -137,14 +147,6 @@ class FedtrainServicer:
         registry.on_leave(self.site_gone)
         coordinator.deadlines.on_drop(self.site_dropped)
         self._loop: asyncio.AbstractEventLoop | None = None
-
-    @property
-    def transfer_slots(self) -> asyncio.Semaphore:
-        """`max_transfers` slots, created on the server's loop at first use."""
-        if self._transfer_slots is None:
-            self._loop = asyncio.get_running_loop()
-            self._transfer_slots = asyncio.Semaphore(self.config.max_transfers)
-        return self._transfer_slots
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """`fn(*args)` on the CPU pool (it may take the round's locks or the CPU)."""
@@ -168,6 +170,9 @@ class FedtrainServicer:
             return
         site, certificate = admitted
         identity = certificate.audit_fields() if certificate else {}
+        if first.join.attach_to:
+            await self._serve_connection(context, site, certificate, first.join.attach_to)
+            return
         if self.coordinator.finished.is_set():
             await context.write(pb.ServerMessage(shutdown=pb.Shutdown(reason=wire.RUN_COMPLETE)))
             return
@@ -269,6 +274,51 @@ class FedtrainServicer:
                     self._lost(session, "control stream broke")
                 else:
                     self._leave(session, "control stream closed")
+
+    async def _serve_connection(
+        self,
+        context: grpc.aio.ServicerContext,
+        site: str,
+        certificate: PeerCertificate | None,
+        token: str,
+    ) -> None:
+        """A connection that carries the parallel streams of session `token` (it proved
+        the session's own certificate at its Join): its bulk requests count as the
+        session's while this stream is open (until the site closes it, the connection
+        dies or the session ends)."""
+        peer = context.peer()
+        pem = certificate.pem if certificate else b""
+        session = self.registry.by_token(token)
+        if (
+            session is None
+            or (session.site, session.certificate) != (site, pem)
+            or len(session.connections) >= wire.MAX_TRANSFER_STREAMS
+            or not self.registry.add_connection(session, peer)
+        ):
+            refusal = Refusal(
+                "other_session",
+                f"site {site!r} asked to carry the transfers of a session that is not its "
+                "own or has ended (it must join or rejoin first), or that has "
+                f"{wire.MAX_TRANSFER_STREAMS} connections already",
+                site=site,
+                details=certificate.audit_fields() if certificate else {},
+            )
+            await self._refuse_join(context, peer, refusal)
+            return
+        try:
+            welcome = pb.Welcome(
+                run_id=self.coordinator.run_id,
+                session_token=token,
+                site_name=site,
+                chunk_bytes=self.config.chunk_bytes,
+            )
+            await context.write(pb.ServerMessage(welcome=welcome))
+            while await context.read() is not grpc.aio.EOF:
+                pass  # nothing is expected: the site only keeps the stream open
+        except grpc.RpcError:
+            pass
+        finally:
+            self.registry.drop_connection(session, peer)
 
     def _silence_allowed(self, interval_s: float) -> float:
         """A site's heartbeat timeout, scaled with the interval it was told."""
@@ -524,7 +574,7 @@ class FedtrainServicer:
         self.audit.record("site_away", site=session.site, reason=reason, grace_s=grace)
         loop = self._loop or session._loop
         held = self.held.of_site(session.site)
-        streams = [session.handler, held.task if held is not None else None, *session.streams]
+        streams = [session.handler, *(held.tasks() if held is not None else ()), *session.streams]
         for task in streams:
             if task is not None and loop is not None:
                 loop.call_soon_threadsafe(task.cancel)
@@ -558,7 +608,7 @@ class FedtrainServicer:
                 "site must rejoin it (Join.resume_token) before it transfers again",
                 site=session.site,
             )
-        if self.secure and session.peer != context.peer():
+        if self.secure and context.peer() not in (session.peer, *session.connections):
             await self._deny(
                 context,
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -643,29 +693,39 @@ class FedtrainServicer:
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
         try:
-            async with self._transfer(session, "down", training=round_state is not None) as meter:
+            key = (session.token, model.version, request.held_version)
+            training = round_state is not None
+            async with self._transfer(session, "down", key, training=training) as meter:
                 manifest, pieces = await self.downloads.prepare(
                     model,
                     encoded=self.downloads.serves(session.capabilities),
                     current=model is self.coordinator.global_model,
                     held=request.held_version,
                     run=self._run,
+                    ranged=request.end > 0,
                 )
-                meter.expect(manifest.total_bytes, request.offset)
-                if request.offset > manifest.total_bytes:
+                end = min(request.end or manifest.total_bytes, manifest.total_bytes)
+                if not meter.total:  # the first of its streams: what the transfer moves
+                    meter.expect(manifest.total_bytes, 0 if request.end else request.offset)
+                if request.offset > end:
                     await _abort(
                         context,
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"site {session.site!r}: a download from byte {request.offset}, but "
-                        f"this download of model {model.version[:12]} has "
+                        f"site {session.site!r}: a download of bytes [{request.offset}, "
+                        f"{end}), but this download of model {model.version[:12]} has "
                         f"{manifest.total_bytes} bytes",
                     )
                 yield pb.ModelPiece(manifest=manifest)
-                skipped = 0  # a resumed download: the chunks the site holds are not sent
+                position = 0  # where the next piece starts, in the download's bytes
                 for piece, size in pieces:
-                    if skipped < request.offset:
-                        skipped += size
-                        if skipped > request.offset:
+                    start, position = position, position + size
+                    if start >= end:
+                        break  # a parallel stream's range ends here
+                    if start < request.offset:
+                        # A resumed download (or a range that starts further on): the
+                        # chunks before it are not sent. A single stream resumes at a
+                        # chunk boundary; a range takes the chunks that start in it.
+                        if not request.end and position > request.offset:
                             await _abort(
                                 context,
                                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -699,26 +759,29 @@ class FedtrainServicer:
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, session: Session, direction: str, *, training: bool = True
+        self, session: Session, direction: str, key: Any, *, training: bool = True
     ) -> AsyncIterator[TransferMeter]:
-        """A transfer slot, and the link's rate measured while the transfer holds it."""
-        session.queued += 1
-        try:
-            await self.transfer_slots.acquire()
-        finally:
-            session.queued -= 1
-        try:
+        """A transfer slot (shared by the parallel streams of transfer `key`), and the
+        link's rate measured while the transfer holds it (all its streams together)."""
+        self._loop = asyncio.get_running_loop()
+
+        def opened() -> TransferMeter:
             received = session.bytes_received
             counted = (lambda: session.bytes_received - received) if direction == "up" else None
-            meter = self.coordinator.links.meter(
-                session.site, direction, counted, training=training
-            )
-            try:
+            return self.coordinator.links.meter(session.site, direction, counted, training=training)
+
+        session.queued += 1  # until the slot is granted: the server's wait, not the site's
+        granted = False
+        try:
+            async with self.transfer_slots.hold(
+                (direction, key), opened, TransferMeter.close
+            ) as meter:
+                session.queued -= 1
+                granted = True
                 yield meter
-            finally:
-                meter.close()
         finally:
-            self.transfer_slots.release()
+            if not granted:
+                session.queued -= 1
 
     async def UploadUpdate(
         self, request_iterator: AsyncIterator[pb.UpdateChunk | Chunk], context: Any
@@ -765,15 +828,20 @@ class FedtrainServicer:
             weight = None if header.masked else await self._weigh(state, session, header, context)
             held = self._new_upload(state, session, header, weight)
         try:
-            async with self._transfer(session, "up") as meter:
-                meter.expect(held.sink.expected_bytes, held.offset)
-                received = await self._stream_upload(
+            async with self._transfer(session, "up", held.id) as meter:
+                if not meter.total:  # the first of its streams: what the transfer moves
+                    meter.expect(held.sink.expected_bytes, held.offset)
+                whole = await self._stream_upload(
                     context, state, session, header, held, request_iterator
                 )
-                meter.whole = True
+                meter.whole = whole
         except asyncio.CancelledError:  # e.g. the site went away while its upload waited
             held.abandoned_before_start()
             raise
+        if not whole:  # one of parallel streams: its range is in, the update not yet
+            log.debug("%s: bytes [%d, %d) in", where, header.range_start, header.range_end)
+            return pb.UploadReceipt(round=header.round, partial=True)
+        received = held.offset
         weight = held.weight
         log.info(
             "%s: %s update of %d bytes aggregated",
@@ -805,12 +873,15 @@ class FedtrainServicer:
         header: pb.UploadHeader,
         held: HeldUpload,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
-    ) -> int:
+    ) -> bool:
         """With a transfer slot: tell the site to go (and from which byte), receive the
-        rest of the upload and fold it; a broken stream leaves it held for a resume."""
+        rest of the stream's range of the upload and fold it once whole (True: this
+        stream completed it); a broken stream leaves it held for a resume."""
         where = f"site {session.site!r}, round {header.round}"
         try:
-            generation, offset, superseded = await self._run(held.attach, asyncio.current_task())
+            lane, generation, offset, superseded = await self._run(
+                held.attach, asyncio.current_task(), header.range_start, header.range_end
+            )
         except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
             await self._refuse(
                 context,
@@ -819,9 +890,11 @@ class FedtrainServicer:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{where}: the upload was discarded before it could resume",
             )
+        except UploadRefused as exc:  # a range that overlaps another or runs past the end
+            await self._refuse(context, session, header.round, exc.code, f"{where}: {exc}")
         if superseded is not None:  # its connection looked open, but the site moved on
             superseded.cancel()
-        if offset:
+        if offset > lane.start:
             log.info("%s: upload resumes at byte %d", where, offset)
             self.audit.record(
                 "upload_resumed", site=session.site, round=header.round, offset=offset
@@ -835,20 +908,20 @@ class FedtrainServicer:
         )
         try:
             return await self._receive(
-                state, session, header, held, generation, request_iterator, context
+                state, session, header, held, lane, generation, request_iterator
             )
         except (grpc.RpcError, asyncio.CancelledError, Superseded):
-            await self._broke_off(context, session, header, held, generation)
+            await self._broke_off(context, session, header, held, lane, generation)
         except EndedEarly as exc:
-            self._pause(session, header, held, generation)
+            self._pause(session, header, held, lane, generation)
             await self._refuse(
                 context, session, header.round, grpc.StatusCode.INVALID_ARGUMENT, str(exc)
             )
         except UploadRefused as exc:
-            await self._run(self.discard, held, "refused", False)
+            await self._run(self.discard, held, "refused", asyncio.current_task())
             await self._refuse(context, session, header.round, exc.code, str(exc))
         except FedtrainError as exc:  # TensorStreamError, UpdateRejected from the checks
-            await self._run(self.discard, held, "rejected", False)
+            await self._run(self.discard, held, "rejected", asyncio.current_task())
             await self._refuse(
                 context,
                 session,
@@ -857,7 +930,7 @@ class FedtrainServicer:
                 f"{where}: update rejected: {exc}",
             )
         except Exception as exc:  # e.g. the spool's disk is full: the server must carry on
-            await self._run(self.discard, held, "failed on the server", False)
+            await self._run(self.discard, held, "failed on the server", asyncio.current_task())
             log.exception("%s: the upload failed on the server", where)
             await self._refuse(
                 context,
@@ -868,12 +941,17 @@ class FedtrainServicer:
             )
 
     def _pause(
-        self, session: Session, header: pb.UploadHeader, held: HeldUpload, generation: int
+        self,
+        session: Session,
+        header: pb.UploadHeader,
+        held: HeldUpload,
+        lane: Lane,
+        generation: int,
     ) -> bool:
         """Keep an upload whose stream `generation` ended short (on the loop, not awaited:
-        a cancelled handler may be cancelled again); False if another stream feeds it
-        now or it was discarded."""
-        if not held.detach(generation):
+        a cancelled handler may be cancelled again); False if another stream feeds its
+        range now or it was discarded."""
+        if not held.detach(lane, generation):
             return False
         log.warning(
             "site %r, round %d: the upload stream broke off at byte %d; kept %gs for the "
@@ -894,13 +972,14 @@ class FedtrainServicer:
         session: Session,
         header: pb.UploadHeader,
         held: HeldUpload,
+        lane: Lane,
         generation: int,
     ) -> NoReturn:
         """The stream broke, was superseded by the site's resume, or was cut here (the
         site is away, or was dropped): keep the upload if it is still the site's, and
         tell the site, if it can still hear us, what to do."""
         where = f"site {session.site!r}, round {header.round}"
-        if not self._pause(session, header, held, generation) and held.discarded:
+        if not self._pause(session, header, held, lane, generation) and held.discarded:
             await _end_cut_stream(
                 context,
                 f"{where}: the upload was discarded ({held.discarded}); do not resume it",
@@ -957,15 +1036,18 @@ class FedtrainServicer:
         if held is not None and not held.attached:
             self.discard(held, "the site started a new upload")
 
-    def discard(self, held: HeldUpload, reason: str, cancel: bool = True) -> None:
+    def discard(self, held: HeldUpload, reason: str, by: Any = None) -> None:
         """Throw an upload away (on the pool): out of the round's sum and off the disk,
-        its stream (if one still feeds it, unless it is the caller's) cancelled at once."""
-        live, task = held.end(reason)
+        the streams that still feed it cancelled at once, except `by`: the handler task
+        that refuses it (and logs and audits why itself)."""
+        live, tasks = held.end(reason)
         self.held.forget(held)
         if not live:
             return
-        if cancel and task is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(task.cancel)
+        for task in tasks:
+            if task is not by and self._loop is not None:
+                self._loop.call_soon_threadsafe(task.cancel)
+        cancel = by is None
         held.state.abandon(held.site)
         self.coordinator.transfers.settle(discarded=held.offset)
         self.held.lost(held)
@@ -1085,14 +1167,15 @@ class FedtrainServicer:
         session: Session,
         header: pb.UploadHeader,
         held: HeldUpload,
+        lane: Lane,
         generation: int,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
-        context: grpc.aio.ServicerContext,
-    ) -> int:
-        """Validate and journal an upload's chunks as they arrive (after those the server
-        held already), and once it is whole fold a plain update from its journal with
-        the weight the policy let through (a masked vector was folded chunk by chunk);
-        returns the update's bytes.
+    ) -> bool:
+        """Validate and journal the chunks of a stream's range as they arrive (after
+        those the server held already), and once the update is whole fold a plain
+        update from its journal with the weight the policy let through (a masked vector
+        was folded chunk by chunk); returns whether this stream completed the update
+        (False: its range is in, other streams still carry theirs).
 
         An upload that fails on the way was never folded, so it leaves no trace in the
         round's sum. An encoded upload (`[compression]`) is journaled as its codec's
@@ -1109,7 +1192,7 @@ class FedtrainServicer:
                 )
 
         def journal(chunk: Chunk) -> None:
-            again = held.add(generation, chunk, still_open)
+            again = held.add(lane, generation, chunk, still_open)
             if again:
                 self.coordinator.transfers.settle(resent=again)
 
@@ -1133,17 +1216,20 @@ class FedtrainServicer:
 
         async for chunk in self._chunks(session, header, request_iterator):
             await self._run(journal, chunk)
-        if not sink.whole:
+        if not lane.done:
             # gRPC may end a cut stream's requests as if the site had closed them, so an
             # upload that ends short is kept for a resume, like one that broke off.
             raise EndedEarly(
                 f"site {session.site!r}, round {header.round}: the upload's stream ended "
-                f"early, after {sink.bytes_received} of the update's {sink.expected_bytes} "
-                f"bytes; the server keeps them for upload_grace_s ({self.held.grace_s:g}s): "
-                "resume the upload to send the rest"
+                f"early, after {lane.received} of its {lane.end - lane.start} bytes "
+                f"({sink.bytes_received} of the update's {sink.expected_bytes} held); the "
+                f"server keeps them for upload_grace_s ({self.held.grace_s:g}s): resume the "
+                "upload to send the rest"
             )
-        await self._run(held.complete, generation, commit)
-        return sink.bytes_received
+        if not await self._run(held.finish, lane, generation):
+            return False  # the other streams' ranges are still on their way
+        await self._run(commit)
+        return True
 
     async def _chunks(
         self,

@@ -80,6 +80,9 @@ class Session:
     #: Its transfers waiting for one of the server's `max_transfers` slots (the wait is
     #: the server's, never held against the site's deadline).
     queued: int = 0
+    #: Further connections (peers) that proved this session's certificate and carry its
+    #: parallel streams (Join.attach_to).
+    connections: set[str] = field(default_factory=set, repr=False)
     _outbox: asyncio.Queue[pb.ServerMessage | None] | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
@@ -153,6 +156,7 @@ class SessionRegistry:
         self._by_site: dict[str, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._by_peer: dict[str, Session] = {}  # connection (ip:port) -> its session
+        self._by_connection: dict[str, Session] = {}  # a parallel stream's connection
         self._listeners: list[LeaveListener] = []
         self._join_listeners: list[JoinListener] = []
         self._stopped = False
@@ -195,6 +199,9 @@ class SessionRegistry:
                 del self._by_site[session.site]
             if self._by_peer.get(session.peer) is session:
                 del self._by_peer[session.peer]
+            for peer in session.connections:
+                self._by_connection.pop(peer, None)
+            session.connections.clear()
             self.changed.notify_all()
         session.send(None)  # ends the control stream's send loop
         for listener in self._listeners:
@@ -248,9 +255,26 @@ class SessionRegistry:
             return self._by_token.get(token)
 
     def by_peer(self, peer: str) -> Session | None:
-        """The live session whose control stream came over the connection `peer`."""
+        """The live session whose control stream came over the connection `peer`, or
+        whose parallel streams it carries (`add_connection`)."""
         with self._lock:
-            return self._by_peer.get(peer)
+            return self._by_peer.get(peer) or self._by_connection.get(peer)
+
+    def add_connection(self, session: Session, peer: str) -> bool:
+        """Connection `peer` carries `session`'s parallel streams; False if the session
+        has ended."""
+        with self._lock:
+            if session.closed:
+                return False
+            session.connections.add(peer)
+            self._by_connection[peer] = session
+            return True
+
+    def drop_connection(self, session: Session, peer: str) -> None:
+        with self._lock:
+            session.connections.discard(peer)
+            if self._by_connection.get(peer) is session:
+                del self._by_connection[peer]
 
     def get(self, site: str) -> Session | None:
         with self._lock:

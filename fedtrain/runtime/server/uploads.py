@@ -125,9 +125,9 @@ class UpdateSpool(_Received):
         self._held = size if self._in_memory else 0  # bytes of the budget to give back
         self._fd = -1
         self.path: Path | None = None  # the journal file, once a chunk had to go to disk
-        # Per journaled chunk, in order: (tensor name, byte offset in the tensor, size,
-        # the bytes themselves if kept in memory, else None: the next bytes of the file).
-        self._index: list[tuple[str, int, int, memoryview | None]] = []
+        # Per journaled chunk: (tensor name, byte offset in the tensor, size, the bytes
+        # themselves if kept in memory, else their position in the file).
+        self._index: list[tuple[str, int, int, memoryview | int]] = []
         self._written = 0
         self._largest = 0
         self._complete = False
@@ -146,8 +146,8 @@ class UpdateSpool(_Received):
         if self._in_memory:
             self._index.append((spec.name, chunk.offset, len(data), data))
         else:
+            self._index.append((spec.name, chunk.offset, len(data), self._written))
             self._append_to_file(data)
-            self._index.append((spec.name, chunk.offset, len(data), None))
             self._largest = max(self._largest, len(data))
 
     def _append_to_file(self, data: memoryview) -> None:
@@ -168,19 +168,21 @@ class UpdateSpool(_Received):
         self._complete = True
 
     def pieces(self) -> Iterator[Piece]:
-        """The journaled chunks, read back in the order they arrived.
+        """The journaled chunks, read back in the update's own order (tensor by tensor,
+        by offset), whatever order they arrived in: an update sent over parallel streams
+        then folds exactly as one sent over one stream (a fold that reduces across
+        chunks, e.g. a clipping norm, depends on the order).
 
         One buffer serves every piece: use each before asking for the next.
         """
+        order = {name: i for i, name in enumerate(self._validator.specs)}
         buffer = bytearray(self._largest)
-        position = 0
-        for name, offset, size, kept in self._index:
-            if kept is None:
+        for name, offset, size, kept in sorted(self._index, key=lambda e: (order[e[0]], e[1])):
+            if isinstance(kept, int):
                 view = memoryview(buffer)[:size]
-                got = os.preadv(self._fd, [view], position) if size else 0
+                got = os.preadv(self._fd, [view], kept) if size else 0
                 if got != size:
                     raise OSError(f"upload journal {self.path} is short: {got} of {size} bytes")
-                position += size
             else:
                 view = kept
             dtype = torch_dtype(self._validator.specs[name].dtype)

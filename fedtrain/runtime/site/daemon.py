@@ -21,6 +21,7 @@ seconds per round otherwise; a failed group round fails that round only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import secrets
@@ -60,6 +61,18 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site.data import site_data
 from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
 from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
+from fedtrain.runtime.site.streams import (
+    PARALLEL_CHUNK_BYTES,
+    RANGES_PER_STREAM,
+    SharedUpload,
+    UpdateChunks,
+    byte_ranges,
+    chunk_positions,
+    completed,
+    merged,
+    run_ranges,
+    stream_count,
+)
 from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
 from fedtrain.task import (
@@ -147,6 +160,16 @@ class Backoff:
         self._cap = self.min_s
 
 
+@dataclass
+class StreamConnection:
+    """A parallel stream's connection: its channel, what closes it, and whether it may
+    still carry the session's transfers."""
+
+    channel: grpc.Channel
+    close: Callable[[], None] = lambda: None
+    alive: Callable[[], bool] = lambda: True
+
+
 @dataclass(eq=False)
 class Link:
     """One joined session: its channel, token and the queue that feeds the control stream."""
@@ -169,6 +192,43 @@ class Link:
     #: Set while a control stream serves the session; cleared while the link is down
     #: and the daemon tries to rejoin it (Join.resume_token), so that transfers wait.
     up: threading.Event = field(default_factory=threading.Event)
+    #: Makes a connection of its own for a parallel stream (`StreamConnection`).
+    dial: Callable[[Link], StreamConnection] | None = None
+    #: The parallel streams' connections beyond the control stream's (`stream_channel`).
+    extra_channels: list[StreamConnection] = field(default_factory=list)
+    _channels_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stream_channel(self, number: int) -> grpc.Channel:
+        """The channel of parallel stream `number`: the control stream's for 0, else one
+        of its own, dialled at first use and kept for the session (its connection's
+        congestion window then carries over from one transfer to the next). One whose
+        session stream ended (with TLS: its connection was lost) is dialled again; one
+        that cannot be dialled is the control stream's (the stream then shares it)."""
+        if number == 0 or self.dial is None:
+            return self.channel
+        with self._channels_lock:
+            while len(self.extra_channels) < number:
+                self.extra_channels.append(self._dial())
+            connection = self.extra_channels[number - 1]
+            if not connection.alive():
+                connection.close()
+                connection = self.extra_channels[number - 1] = self._dial()
+            return connection.channel
+
+    def _dial(self) -> StreamConnection:
+        assert self.dial is not None
+        try:
+            return self.dial(self)
+        except (grpc.RpcError, FedtrainError) as exc:
+            log.warning("a parallel stream shares the control connection: %s", exc)
+            return StreamConnection(self.channel)
+
+    def close_channels(self) -> None:
+        """Close the parallel streams' connections (they are dialled again when needed)."""
+        with self._channels_lock:
+            connections, self.extra_channels = self.extra_channels, []
+        for connection in connections:
+            connection.close()
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -359,8 +419,46 @@ class SiteDaemon:
             options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
         return grpc.secure_channel(self.config.server, self._identity.credentials, options=options)
 
-    def _join_message(self, challenge: pb.Challenge | None = None) -> pb.SiteMessage:
-        """The Join; with TLS it answers the server's challenge with this site's proof."""
+    def _dial_stream(self, link: Link) -> StreamConnection:
+        """A connection of its own for one of `link`'s parallel streams. With TLS the
+        server takes bulk requests only on connections that proved the session's
+        certificate: this one joins the session first (Join.attach_to) and keeps that
+        stream open while it is used."""
+        channel = self._channel()
+        if self._identity is None:
+            return StreamConnection(channel, channel.close)
+        outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
+        control = channel.stream_stream(
+            wire.method_path("Control"),
+            request_serializer=pb.SiteMessage.SerializeToString,
+            response_deserializer=pb.ServerMessage.FromString,
+        )
+        call = control(_drain(outbox))
+
+        def close() -> None:
+            outbox.put(None)
+            call.cancel()
+            channel.close()
+
+        try:
+            for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "challenge":
+                    outbox.put(self._join_message(message.challenge, attach_to=link.token))
+                elif kind == "welcome":
+                    return StreamConnection(channel, close, lambda: not call.done())
+                elif kind == "reject":
+                    raise JoinRefused(message.reject.reason)
+            raise ProtocolError("the server closed a parallel stream's connection at once")
+        except BaseException:
+            close()
+            raise
+
+    def _join_message(
+        self, challenge: pb.Challenge | None = None, attach_to: str = ""
+    ) -> pb.SiteMessage:
+        """The Join; with TLS it answers the server's challenge with this site's proof.
+        With `attach_to`: the Join of a parallel stream's connection to that session."""
         cached = self._cache[0] if self._cache is not None else ""
         join = pb.Join(
             site_name=self.name if (self.insecure or self.config.name) else "",
@@ -368,7 +466,8 @@ class SiteDaemon:
             protocol_version=wire.PROTOCOL_VERSION,
             capabilities=self.capabilities,
             cached_model_version=cached,
-            resume_token=self._away.token if self._away is not None else "",
+            resume_token="" if attach_to or self._away is None else self._away.token,
+            attach_to=attach_to,
         )
         if challenge is not None and self._identity is not None:
             server_name = self.config.tls.server_name or dialled_host(self.config.server)
@@ -483,6 +582,7 @@ class SiteDaemon:
         away, self._away = self._away, None
         if away is not None and w.resumed and w.session_token == away.token:
             away.channel, away.outbox = channel, outbox
+            away.close_channels()  # their connections failed too: dialled (and proven) anew
             away.heartbeat_interval_s = w.heartbeat_interval_s
             away.up.set()  # transfers waiting for the link continue on the new channel
             log.info("site %r rejoined its session of run %s", w.site_name, w.run_id)
@@ -491,6 +591,7 @@ class SiteDaemon:
             log.warning("the server did not keep this site's session; work in flight is lost")
             self._end_link(away)
         link = Link(channel, w.session_token, w.run_id, int(w.chunk_bytes), outbox)
+        link.dial = self._dial_stream
         link.codec = self._codec(w)
         link.download_codec = self._download_codec(w)
         link.heartbeat_interval_s = w.heartbeat_interval_s
@@ -510,6 +611,7 @@ class SiteDaemon:
         """The session is over for good: transfers waiting for it give up."""
         link.closed.set()
         link.up.set()  # wake waiters; they see `closed`
+        link.close_channels()
         self.secagg.close("the session ended")
 
     def _codec(self, w: pb.Welcome) -> Codec:
@@ -620,7 +722,9 @@ class SiteDaemon:
                 )
             else:
                 header = _plain_header(link, instruction, result)
-                chunks = update_chunks(link, local, global_state)
+                parallel = self._streams(link, global_state.nbytes) > 1
+                chunk_bytes = min(link.chunk_bytes, PARALLEL_CHUNK_BYTES) if parallel else None
+                chunks = update_chunks(link, local, global_state, chunk_bytes)
                 header.codec = link.codec.name
             receipt = self._upload(link, header, chunks, deadline)
             clock.mark("upload")
@@ -791,15 +895,21 @@ class SiteDaemon:
         """One download (continued across broken streams until `deadline_unix`): (the
         model, whether it is the server's reference)."""
 
-        def request(offset: int) -> tuple[pb.Manifest, Iterator[Any]]:
-            download = link.channel.unary_stream(
+        def request(
+            offset: int, end: int = 0, number: int = 0
+        ) -> tuple[pb.Manifest, Iterator[Any]]:
+            download = link.stream_channel(number).unary_stream(
                 wire.method_path("DownloadModel"),
                 request_serializer=pb.ModelRequest.SerializeToString,
                 response_deserializer=wire.chunk_stream_deserializer(pb.ModelPiece),
             )
             pieces = download(
                 pb.ModelRequest(
-                    version=version, session_token=link.token, held_version=held, offset=offset
+                    version=version,
+                    session_token=link.token,
+                    held_version=held,
+                    offset=offset,
+                    end=end,
                 )
             )
             head = next(pieces, None)
@@ -811,13 +921,34 @@ class SiteDaemon:
                 )
             return head.manifest, pieces
 
+        # Parallel streams (when this link may use them): the first asks for the first
+        # chunk's worth, and its manifest says how large the rest is to share out.
+        single = self._streams(link, PARALLEL_CHUNK_BYTES + 1) == 1
+        first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
         if deadline_unix:
             manifest, pieces = self._through_outages(
-                link, deadline_unix, "download", lambda: request(0)
+                link, deadline_unix, "download", lambda: request(0, first_end)
             )
         else:
-            manifest, pieces = request(0)
-        chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
+            manifest, pieces = request(0, first_end)
+        total = manifest.total_bytes
+        if not first_end or total <= first_end:
+            chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
+            return receive_model(manifest, chunks, link.download_codec, previous, held)
+        streams = self._streams(link, total)
+        count = min(streams * RANGES_PER_STREAM, (total - first_end) // first_end)
+        ranges = [(0, first_end), *byte_ranges(first_end, total, max(1, count))]
+        positions = chunk_positions(manifest)
+        opened = [pieces]  # the first range's stream is open already
+
+        def fetch(number: int, byte_range: tuple[int, int]) -> Iterator[Chunk]:
+            first = opened.pop() if byte_range == ranges[0] and opened else None
+            return self._resumed(
+                link, deadline_unix, manifest, first, request, byte_range, positions, number
+            )
+
+        log.debug("model %s: downloading over %d streams", version[:12], streams)
+        chunks = merged(ranges, streams, fetch)
         return receive_model(manifest, chunks, link.download_codec, previous, held)
 
     def _resumed(
@@ -826,21 +957,32 @@ class SiteDaemon:
         deadline_unix: float,
         manifest: pb.Manifest,
         pieces: Iterator[Any] | None,
-        request: Callable[[int], tuple[pb.Manifest, Iterator[Any]]],
+        request: Callable[[int, int, int], tuple[pb.Manifest, Iterator[Any]]],
+        byte_range: tuple[int, int] = (0, 0),
+        positions: dict[str, int] | None = None,
+        number: int = 0,
     ) -> Iterator[Chunk]:
-        """A download's chunks; when its stream breaks (and a deadline allows), the rest,
-        asked for from the bytes received, on the rejoined session: what the site holds
-        is not sent again."""
-        received = 0
+        """A download's chunks (those of `byte_range` on parallel stream `number`; with
+        `positions`, where each tensor starts in the download); when its stream breaks
+        (and a deadline allows), the rest, asked for from the bytes received, on the
+        rejoined session: what the site holds is not sent again."""
+        received, end = byte_range
+        broke = False
         while True:
             try:
                 if pieces is None:
-                    again, pieces = request(received)
+                    again, pieces = request(received, end, number)
                     if again != manifest:
                         raise ProtocolError("the server's download changed while it was resumed")
-                    log.info("model download continues from byte %d", received)
+                    if broke:
+                        log.info("model download continues from byte %d", received)
                 for chunk in _download_chunks(pieces):
-                    received += len(chunk.data)
+                    if positions is None:
+                        received += len(chunk.data)
+                    elif chunk.name in positions:
+                        received = positions[chunk.name] + chunk.offset + len(chunk.data)
+                    else:
+                        raise ProtocolError(f"a download's chunk of {chunk.name!r}: not listed")
                     yield chunk
                 return
             except (grpc.RpcError, ValueError) as exc:
@@ -854,7 +996,7 @@ class SiteDaemon:
                     received,
                     rpc.describe_rpc_error(exc),
                 )
-                pieces = None
+                pieces, broke = None, True
 
     def _through_outages(
         self, link: Link, deadline_unix: float, what: str, transfer: Callable[[], _T]
@@ -890,6 +1032,12 @@ class SiteDaemon:
                 return not (self._stop.is_set() or link.closed.is_set())
         return False
 
+    def _streams(self, link: Link, nbytes: int) -> int:
+        """Parallel streams for a transfer of `nbytes` on `link` (`transfer_streams`)."""
+        if link.dial is None:
+            return 1
+        return stream_count(self.config.transfer_streams, nbytes)
+
     def _upload(
         self,
         link: Link,
@@ -897,16 +1045,48 @@ class SiteDaemon:
         chunks: Callable[[], Iterator[Chunk]],
         deadline_unix: float = 0.0,
     ) -> pb.UploadReceipt:
-        """Send an update: `chunks()` makes its chunks (again for each stream). A broken
-        stream is resumed: the server's go-ahead says how many bytes it holds
-        (`wire.UPLOAD_OFFSET`), and only the chunks after them are sent."""
-        upload_id = ""
+        """Send an update: `chunks()` makes its chunks (again for each stream). A plain
+        update of `UpdateChunks` may go over parallel streams, a range each (see
+        `streams.py`); a masked one goes over one (the server folds its chunks into the
+        secure sum in order)."""
+        sizes = chunks.sizes() if isinstance(chunks, UpdateChunks) and not header.masked else []
+        streams = self._streams(link, sum(sizes)) if sizes else 1
+        if streams == 1:
+            return self._upload_range(link, 0, header, chunks, SharedUpload(), deadline_unix)
+        assert isinstance(chunks, UpdateChunks)
+        ranges = wire.chunk_ranges(sizes, streams * RANGES_PER_STREAM)
+        shared = SharedUpload()
+
+        def send(number: int, byte_range: tuple[int, int]) -> pb.UploadReceipt:
+            start, end = byte_range
+            ranged = pb.UploadHeader()
+            ranged.CopyFrom(header)
+            ranged.range_start, ranged.range_end = start, end
+            return self._upload_range(
+                link, number, ranged, lambda: chunks.between(start, end), shared, deadline_unix
+            )
+
+        log.debug("round %d: uploading over %d streams", header.round, streams)
+        return completed(run_ranges(ranges, streams, send, shared))
+
+    def _upload_range(
+        self,
+        link: Link,
+        number: int,
+        header: pb.UploadHeader,
+        chunks: Callable[[], Iterator[Chunk]],
+        shared: SharedUpload,
+        deadline_unix: float,
+    ) -> pb.UploadReceipt:
+        """Send one stream's range of an update (the whole of it without a range) on
+        parallel stream `number`'s channel. A broken stream is resumed: the server's
+        go-ahead says up to where it holds the range (`wire.UPLOAD_OFFSET`), and only
+        the chunks after that are sent."""
 
         def attempt() -> pb.UploadReceipt:
-            nonlocal upload_id
-            header.resume_id = upload_id
+            header.resume_id = shared.id
             header.session_token = link.token
-            upload = link.channel.stream_unary(
+            upload = link.stream_channel(number).stream_unary(
                 wire.method_path("UploadUpdate"),
                 request_serializer=wire.serialize_stream_item,
                 response_deserializer=pb.UploadReceipt.FromString,
@@ -914,20 +1094,19 @@ class SiteDaemon:
             calls: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
 
             def items() -> Iterator[object]:
-                nonlocal upload_id
                 yield pb.UpdateChunk(header=header)
                 # The chunks wait here for the server's go-ahead (wire.UPLOAD_GO_AHEAD);
                 # a refused upload ends the call, which ends this wait too (and the update
                 # is then not encoded for nothing).
                 call = calls.get()
                 metadata = dict(call.initial_metadata() or ())
-                if call.done():
-                    return
-                upload_id = str(metadata.get(wire.UPLOAD_ID, ""))
-                offset = int(metadata.get(wire.UPLOAD_OFFSET, 0))
+                if call.done() or wire.UPLOAD_GO_AHEAD not in metadata:
+                    return  # refused or broken before the go-ahead: the call says why
+                shared.told(str(metadata.get(wire.UPLOAD_ID, "")))
+                offset = int(metadata.get(wire.UPLOAD_OFFSET, 0)) - header.range_start
                 if offset:
                     log.info(
-                        "round %d: the server holds %d bytes; sending the rest",
+                        "round %d: the server holds %d bytes of this stream's; sending the rest",
                         header.round,
                         offset,
                     )
@@ -995,25 +1174,32 @@ def delta_chunks(local: ModelState, global_state: ModelState, chunk_bytes: int) 
     a third model-sized buffer (global + trained model is all): for a large model that
     is the difference between fitting in memory or not.
     """
-    for piece in global_state.chunks(chunk_bytes):
-        start = piece.offset // torch_dtype(piece.dtype).itemsize
-        values = chunk_values(piece)
-        mine = local[piece.name].reshape(-1)[start : start + values.numel()]
-        delta = compute_delta(ModelState({piece.name: mine}), ModelState({piece.name: values}))
-        data = memoryview(delta[piece.name].view(torch.uint8).numpy())
-        yield Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
+    return map(functools.partial(delta_chunk, local), global_state.chunks(chunk_bytes))
+
+
+def delta_chunk(local: ModelState, piece: Chunk) -> Chunk:
+    """The update's chunk at `piece` (a chunk of the global model)."""
+    start = piece.offset // torch_dtype(piece.dtype).itemsize
+    values = chunk_values(piece)
+    mine = local[piece.name].reshape(-1)[start : start + values.numel()]
+    delta = compute_delta(ModelState({piece.name: mine}), ModelState({piece.name: values}))
+    data = memoryview(delta[piece.name].view(torch.uint8).numpy())
+    return Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
 
 
 def update_chunks(
-    link: Link, local: ModelState, global_state: ModelState
-) -> Callable[[], Iterator[Chunk]]:
-    """The plain update's chunks, made anew for each stream of its upload: the delta
-    as it is, or encoded with the link's codec (once: encoding moves top-k's residual)."""
-    chunk_bytes = link.chunk_bytes
+    link: Link, local: ModelState, global_state: ModelState, chunk_bytes: int | None = None
+) -> UpdateChunks:
+    """The plain update's chunks (of `chunk_bytes`, default the server's), made anew for
+    each stream of its upload: the delta as it is, or encoded with the link's codec
+    (once: encoding moves top-k's residual)."""
+    size = chunk_bytes or link.chunk_bytes
     if link.codec.name == "none":
-        return lambda: delta_chunks(local, global_state, chunk_bytes)
+        return UpdateChunks(
+            lambda: global_state.chunks(size), functools.partial(delta_chunk, local)
+        )
     encoded = link.codec.encode(compute_delta(local, global_state))
-    return lambda: encoded.chunks(chunk_bytes)
+    return UpdateChunks(lambda: encoded.chunks(size))
 
 
 class _PhaseClock:
