@@ -17,6 +17,8 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
+from fedtrain.evaluation import describe_evaluation
+
 #: What the server is doing. Prometheus exports one `fedtrain_phase{phase=...}` per value.
 PHASES = ("waiting", "training", "aggregating", "between_rounds", "finished", "stopped", "failed")
 
@@ -172,17 +174,8 @@ def evaluation_line(state: ServerState) -> str:
     ev = state.last_evaluation
     if not ev:
         return ""
-    figures = [f"{key} {ev[key]:.4f}" for key in ("accuracy", "loss") if key in ev]
-    if figures and "eval_sites" in ev:
-        secure = ", secure" if state.secagg else ""
-        figures[0] += f" (federated{secure}: {_value(ev['eval_sites'])} sites)"
-    parts = [f"round {_value(ev.get('round', 0))}", *figures]
-    if state.worst_site:
-        worst = [f"{k[6:]} {ev[k]:.4f}" for k in ("worst_accuracy", "worst_loss") if k in ev]
-        parts.append(f"worst site {state.worst_site}: {worst[0]}" if worst else state.worst_site)
-    if "site_spread" in ev:
-        parts.append(f"spread {ev['site_spread']:.4f}")
-    return ", ".join(parts)
+    summary = describe_evaluation(ev, state.worst_site, secure=state.secagg)
+    return f"round {_value(ev.get('round', 0))}, {summary}"
 
 
 def _bytes_line(split: Mapping[str, int]) -> str:

@@ -42,6 +42,7 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
     ) as dep:
         logs = kill_one_mid_evaluation(dep, marker)
         dep.close()
+        server_log = dep.log("server")
     slow = SITES[2]
 
     metrics = dep.metrics()
@@ -63,6 +64,11 @@ def test_sites_evaluate_every_round_and_a_site_killed_while_evaluating_does_not_
         spread = max(s["accuracy"] for s in sites.values()) - sites[worst]["accuracy"]
         assert record["site_spread"] == pytest.approx(spread)
         check_record(record)
+        # the round's log line names the worst site and the spread too
+        line = f"round {record['round']}: {len(sites)} of 3 site(s) evaluated model"
+        said = next(x for x in server_log.splitlines() if line in x)
+        assert f"worst site {record['worst_site']}: accuracy {record['worst_accuracy']:.4f}" in said
+        assert f"spread {record['site_spread']:.4f}" in said
     assert metrics[0]["eval_missing"] == [slow]
     assert metrics[0]["eval_sites"] == 2
     assert all(r["eval_missing"] == [] for r in metrics[1:])

@@ -27,6 +27,7 @@ import numpy as np
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.evaluation import (
     EVALUATE_CAPABILITY,
+    describe_evaluation,
     eval_metrics,
     evaluation_now,
     federated_record,
@@ -712,17 +713,18 @@ class Coordinator:
             if results
             else {}
         )
+        record = federated_record(
+            aggregated, results, list(missing), per_site=self.config.site_metrics
+        )
         log.info(
             "round %d: %d of %d site(s) evaluated model %s: %s",
             server_round,
             len(results),
             len(plan),
             model.version[:12],
-            ", ".join(f"{k} {v:.4f}" for k, v in sorted(aggregated.items())) or "no result",
+            describe_evaluation(record, record.get("worst_site", ""), secure=False),
         )
-        return federated_record(
-            aggregated, results, list(missing), per_site=self.config.site_metrics
-        )
+        return record
 
     def _collect_evaluations(
         self, server_round: int, model: GlobalModel, plan: dict[str, RoundConfig]
