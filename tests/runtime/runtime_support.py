@@ -37,7 +37,7 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
-from fedtrain.strategy import RoundConfig
+from fedtrain.strategy import RoundConfig, WeightedSum
 from fedtrain.task import EvalResult, Task, TaskContext, TorchTask, TrainResult
 from fedtrain.tensor_file import load_tensor_file
 
@@ -345,6 +345,26 @@ def chunk_messages(chunks: Iterator[Any]) -> list[pb.UpdateChunk]:
 
 
 # -- a deployment of real processes ------------------------------------------------------------
+def finish_alpha_beta_round(
+    server: AggregationServer, beta: FakeSite, gamma: FakeSite, version: str, da: Any, db: Any
+) -> None:
+    """Round 1 of a three-site test whose site alpha delivered `da` (10 examples) by
+    whatever path the test exercises: beta uploads `db` (30) in one stream, gamma reports
+    an error; the round's sum must be bit for bit that of two unbroken uploads."""
+    beta.upload(
+        [beta.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
+    )
+    unbroken = WeightedSum(da.specs)
+    unbroken.add(da, 10.0)
+    unbroken.add(db, 30.0)
+    aggregate = server.coordinator.current.aggregate
+    assert aggregate.count == 2 and aggregate.total_weight == 40.0
+    for name, acc in aggregate.sums.items():
+        assert torch.equal(acc, unbroken.sums[name]), name
+    gamma.report_error(1, "no update from gamma this round")
+    assert server.wait(20) and server.coordinator.error is None
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
     """Poll `predicate` (test-side only) until truthy; fail with `what` after `timeout`."""
     deadline = time.monotonic() + timeout

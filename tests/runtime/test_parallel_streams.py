@@ -20,8 +20,15 @@ from typing import Any
 
 import grpc
 import pytest
-import torch
-from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
+from runtime_support import (
+    CHUNK,
+    FakeSite,
+    TinyTask,
+    chunk_messages,
+    finish_alpha_beta_round,
+    inprocess_server,
+    wait_for,
+)
 from test_upload_resume import _audit, _delta, _sites
 
 from fedtrain.config import from_dict
@@ -32,7 +39,6 @@ from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
 from fedtrain.runtime.site.streams import PARALLEL_CHUNK_BYTES, byte_ranges, stream_count
-from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, StateAssembler
 
@@ -129,18 +135,7 @@ def test_an_update_over_parallel_streams_folds_bit_identically_to_one_stream(
     assert len(whole) == 1 and whole[0].bytes_received == da.nbytes
     assert whole[0].num_examples_counted == 10
     assert server.coordinator.transfers.total_in == da.nbytes  # nothing twice
-    b.upload(
-        [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
-    )
-    one_stream = WeightedSum(da.specs)
-    one_stream.add(da, 10.0)
-    one_stream.add(db, 30.0)
-    aggregate = server.coordinator.current.aggregate
-    assert aggregate.count == 2 and aggregate.total_weight == 40.0
-    for name, acc in aggregate.sums.items():
-        assert torch.equal(acc, one_stream.sums[name]), name
-    c.report_error(1, "no update from gamma this round")
-    assert server.wait(20) and server.coordinator.error is None
+    finish_alpha_beta_round(server, b, c, version, da, db)
     assert [r["bytes"] for r in _audit(server, "upload") if r["site"] == "alpha"] == [da.nbytes]
 
 
@@ -179,16 +174,7 @@ def test_a_broken_stream_resumes_only_its_own_range(tmp_path, stop_after) -> Non
     receipt, _ = _open_range(stubs[1], _ranged(first, s1, e1, upload_id), rest)
     assert not receipt.result(timeout=30).partial
     assert server.coordinator.transfers.total_in == da.nbytes  # not one byte twice
-    b.upload(
-        [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
-    )
-    one_stream = WeightedSum(da.specs)
-    one_stream.add(da, 10.0)
-    one_stream.add(db, 30.0)
-    for name, acc in server.coordinator.current.aggregate.sums.items():
-        assert torch.equal(acc, one_stream.sums[name]), name
-    c.report_error(1, "no update from gamma this round")
-    assert server.wait(20) and server.coordinator.error is None
+    finish_alpha_beta_round(server, b, c, version, da, db)
     resumes = [r["offset"] for r in _audit(server, "upload_resumed")]
     assert resumes == [offset, offset]
 

@@ -17,13 +17,20 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, inprocess_server, wait_for
+from runtime_support import (
+    CHUNK,
+    FakeSite,
+    TinyTask,
+    chunk_messages,
+    finish_alpha_beta_round,
+    inprocess_server,
+    wait_for,
+)
 
 from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
-from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -120,18 +127,7 @@ def test_a_stream_broken_mid_upload_resumes_from_its_offset_and_the_sum_is_bit_i
     receipt = resumed.result(timeout=30)
     assert receipt.bytes_received == da.nbytes
     assert transfers.total_in == da.nbytes  # not one byte travelled twice
-    b.upload(
-        [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
-    )
-    unbroken = WeightedSum(da.specs)
-    unbroken.add(da, 10.0)
-    unbroken.add(db, 30.0)
-    aggregate = server.coordinator.current.aggregate
-    assert aggregate.count == 2 and aggregate.total_weight == 40.0
-    for name, acc in aggregate.sums.items():
-        assert torch.equal(acc, unbroken.sums[name]), name
-    c.report_error(1, "no update from gamma this round")
-    assert server.wait(20) and server.coordinator.error is None
+    finish_alpha_beta_round(server, b, c, version, da, db)
     record = (server.run_dir.path / "metrics.jsonl").read_text()
     assert f'"bytes_in_accepted": {da.nbytes + db.nbytes}' in record
     assert '"bytes_in_discarded": 0' in record
