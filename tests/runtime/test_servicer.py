@@ -236,8 +236,19 @@ def test_an_upload_still_arriving_when_the_round_closes_is_cut_off_at_its_next_c
         error = future.exception(timeout=10)
     finally:
         never.set()
-    assert error is not None and error.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert "round closed while the update was being received" in error.details()
+    # Refused at its next chunk, or discarded by the server's sweep if that came first
+    # (a stream that sends nothing more is cut too: test_parallel_streams.py).
+    assert error is not None, "the server waited for the rest of a closed round's update"
+    assert (error.code(), error.details().split(": ", 1)[1]) in {
+        (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "the round closed while the update was being received; update dropped",
+        ),
+        (
+            grpc.StatusCode.ABORTED,
+            "the upload was discarded (its round closed); do not resume it",
+        ),
+    }
 
 
 def test_a_site_cannot_erase_the_others_work_by_breaking_off_a_huge_upload(
