@@ -431,3 +431,22 @@ def test_a_range_stream_left_open_and_silent_frees_its_slot_once_its_round_close
         assert [r["site"] for r in _audit(server, "upload_discarded")] == ["alpha"]
     finally:
         hang.set()
+
+
+def test_an_upload_whose_only_range_was_refused_is_discarded_after_its_grace(
+    tmp_path, stop_after
+) -> None:
+    """A first range past the update is refused before the go-ahead; the upload it
+    opened (its journal, the site marked as uploading) had no stream and no time it
+    broke off, so no grace ever ran out for it: it stayed until the round closed (under
+    FedBuff, for the whole run)."""
+    server, version, a, _ = _sites(tmp_path, stop_after, upload_grace_s=0.5)
+    size = _delta(server, 1).nbytes
+    first = a.header(1, num_examples=10, model_version=version)
+    with pytest.raises(grpc.RpcError) as info:
+        a.upload([_ranged(first, size, size + CHUNK)])
+    assert "out of range" in info.value.details()
+    discarded = wait_for(lambda: _audit(server, "upload_discarded"), 10, "the grace to pass")
+    assert [r["site"] for r in discarded] == ["alpha"]
+    assert "upload_grace_s" in discarded[0]["reason"]
+    assert len(server.servicer.held) == 0 and "alpha" not in server.coordinator.current.uploading

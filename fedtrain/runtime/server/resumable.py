@@ -201,7 +201,8 @@ class HeldUpload:
             self.broke_at = time.monotonic()
 
     def abandoned_before_start(self) -> None:
-        """The site went away while its stream waited for a transfer slot."""
+        """A stream never came to feed it (the site went away while the stream waited
+        for a transfer slot, or its range was refused): the grace runs if none does."""
         with self._lock:
             if not self.attached:
                 self.broke_at = min(self.broke_at, time.monotonic())
