@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -251,3 +252,52 @@ def test_an_update_arriving_after_the_last_buffer_filled_is_refused_not_lost(
     assert final.round == 1
     for name, tensor in final.state.items():
         torch.testing.assert_close(tensor, base[name] + 0.25)  # (10 * 0.1 + 30 * 0.3) / 40
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FedBuff has no round or per-site deadline, and nothing cuts a transfer stream "
+    "that moves no bytes: a site that opens its upload and goes silent (its connection "
+    "answering keepalives) holds a max_transfers slot for the whole run. Fix: cut a "
+    "transfer stream idle for a bound (e.g. a multiple of transfers.stall_s) with "
+    "UNAVAILABLE; the upload's journal is kept upload_grace_s for a resume as for any "
+    "broken stream",
+)
+def test_a_silent_upload_under_fedbuff_does_not_hold_a_transfer_slot_for_the_run(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask()
+    server = _server(
+        tmp_path,
+        task,
+        rounds=4,
+        strategy=fedbuff(2, buffer_size=1),
+        max_transfers=1,
+        transfers={"stall_s": 1.0},
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    rogue, honest = (FakeSite(server.port, name, fp) for name in ("rogue", "honest"))
+    stop_after += [rogue, honest]
+    jobs = {site.name: job(site) for site in (rogue, honest)}
+    release = threading.Event()
+    rogue_job = jobs["rogue"]
+
+    def silent() -> Iterator[pb.UpdateChunk]:
+        yield rogue.header(rogue_job.round, num_examples=1, model_version=rogue_job.model_version)
+        release.wait(60)
+
+    ready = jobs["honest"]
+    delta = ModelState({k: torch.full_like(v, 0.1) for k, v in _download(honest, "").items()})
+    update = [
+        honest.header(ready.round, num_examples=10, model_version=ready.model_version),
+        *chunk_messages(delta.chunks(CHUNK)),
+    ]
+    call = rogue.stub.UploadUpdate.future(silent(), timeout=60)
+    try:
+        assert dict(call.initial_metadata()).get(wire.UPLOAD_GO_AHEAD) == "1"  # the only slot
+        receipt = honest.stub.UploadUpdate(iter(update), timeout=10)
+        assert receipt.bytes_received == delta.nbytes
+    finally:
+        release.set()
+        call.cancel()

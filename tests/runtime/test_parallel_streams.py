@@ -392,3 +392,61 @@ def test_with_tls_a_connection_carries_a_sessions_streams_only_once_it_proved_it
     refused = read_audit(server.run_dir.path / "audit.jsonl", "join_refused")
     assert [r["cause"] for r in refused] == ["other_session"]
     control[1].put(None)
+
+
+def test_a_range_stream_left_open_and_silent_frees_its_slot_once_its_round_closed(
+    tmp_path, stop_after
+) -> None:
+    """A rogue site opens one range of its upload and never sends it, keeping the stream
+    open (gRPC answers keepalive pings for it): once the round closed, the upload is
+    discarded and its transfer slot freed. Before, only an upload with no stream was
+    swept, so each such round left one of the server's `max_transfers` slots (and the
+    journal) held for as long as the site stayed connected."""
+    server, version, a, b = _sites(tmp_path, stop_after, strategy={"min_fit_clients": 1})
+    da, db = _delta(server, 1), _delta(server, 2)
+    (s0, e0), _ = _ranges(da, 2)
+    hang = threading.Event()
+    try:
+        first = a.header(1, num_examples=10, model_version=version)
+
+        def silent() -> Iterator[pb.UpdateChunk]:
+            yield _ranged(first, s0, e0)
+            hang.wait(60)
+
+        call = a.stub.UploadUpdate.future(silent(), timeout=60)
+        call.initial_metadata()  # the go-ahead: the stream holds its slot
+        slots = server.servicer.transfer_slots
+        assert len(slots) == 1
+        a.report_error(1, "never sends its range")  # its round ends without it
+        b.upload(
+            [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
+        )
+        wait_for(lambda: getattr(server.coordinator.current, "round", 0) == 2, 20, "round 2")
+        wait_for(lambda: len(slots) == 0, 10, "the silent stream's slot to be freed")
+        assert len(server.servicer.held) == 0
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=10)
+        assert info.value.code() is grpc.StatusCode.ABORTED
+        assert "round closed" in info.value.details()
+        assert [r["site"] for r in _audit(server, "upload_discarded")] == ["alpha"]
+    finally:
+        hang.set()
+
+
+def test_an_upload_whose_only_range_was_refused_is_discarded_after_its_grace(
+    tmp_path, stop_after
+) -> None:
+    """A first range past the update is refused before the go-ahead; the upload it
+    opened (its journal, the site marked as uploading) had no stream and no time it
+    broke off, so no grace ever ran out for it: it stayed until the round closed (under
+    FedBuff, for the whole run)."""
+    server, version, a, _ = _sites(tmp_path, stop_after, upload_grace_s=0.5)
+    size = _delta(server, 1).nbytes
+    first = a.header(1, num_examples=10, model_version=version)
+    with pytest.raises(grpc.RpcError) as info:
+        a.upload([_ranged(first, size, size + CHUNK)])
+    assert "out of range" in info.value.details()
+    discarded = wait_for(lambda: _audit(server, "upload_discarded"), 10, "the grace to pass")
+    assert [r["site"] for r in discarded] == ["alpha"]
+    assert "upload_grace_s" in discarded[0]["reason"]
+    assert len(server.servicer.held) == 0 and "alpha" not in server.coordinator.current.uploading

@@ -201,7 +201,8 @@ class HeldUpload:
             self.broke_at = time.monotonic()
 
     def abandoned_before_start(self) -> None:
-        """The site went away while its stream waited for a transfer slot."""
+        """A stream never came to feed it (the site went away while the stream waited
+        for a transfer slot, or its range was refused): the grace runs if none does."""
         with self._lock:
             if not self.attached:
                 self.broke_at = min(self.broke_at, time.monotonic())
@@ -275,16 +276,18 @@ class HeldUploads:
             return len(self._by_id)
 
     def expired(self, now: float | None = None) -> list[tuple[HeldUpload, str]]:
-        """Broken-off uploads to discard: past the grace, or of an attempt that closed
-        (one still streaming is refused at its next chunk)."""
+        """Uploads to discard: of an attempt that closed, even with a stream still open
+        (a silent stream, e.g. a rogue site's range it never sends, would otherwise hold
+        its transfer slot and journal for as long as its connection lives), or broken
+        off and past the grace."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            uploads = [u for u in self._by_id.values() if not u.attached]
+            uploads = list(self._by_id.values())
         out = []
         for upload in uploads:
             if upload.state.closed:
                 out.append((upload, "its round closed"))
-            elif now - upload.broke_at > self.grace_s:  # inf - now: never
+            elif not upload.attached and now - upload.broke_at > self.grace_s:  # inf: never
                 out.append((upload, f"not resumed within upload_grace_s ({self.grace_s:g}s)"))
         return out
 

@@ -891,6 +891,9 @@ class FedtrainServicer:
                 f"{where}: the upload was discarded before it could resume",
             )
         except UploadRefused as exc:  # a range that overlaps another or runs past the end
+            # The upload stays for its other ranges, but its grace runs if none feeds
+            # it (a refused first range left it held, with no grace, until the round closed).
+            held.abandoned_before_start()
             await self._refuse(context, session, header.round, exc.code, f"{where}: {exc}")
         if superseded is not None:  # its connection looked open, but the site moved on
             superseded.cancel()
