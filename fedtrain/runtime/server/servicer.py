@@ -693,7 +693,10 @@ class FedtrainServicer:
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
         try:
-            key = (session.token, model.version, request.held_version)
+            # One slot for all of a session's downloads at a time, whatever they name:
+            # keyed by what the site chooses (a version, a held reference) one site
+            # could take every slot with downloads it never reads.
+            key = session.token
             training = round_state is not None
             async with self._transfer(session, "down", key, training=training) as meter:
                 manifest, pieces = await self.downloads.prepare(
