@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console, Group
 from rich.table import Table
 
-from fedtrain.evaluation import describe_evaluation
+from fedtrain.round_record import describe_evaluation
 
 #: What the server is doing. Prometheus exports one `fedtrain_phase{phase=...}` per value.
 PHASES = ("waiting", "training", "aggregating", "between_rounds", "finished", "stopped", "failed")

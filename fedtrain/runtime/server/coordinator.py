@@ -27,7 +27,6 @@ import numpy as np
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
 from fedtrain.evaluation import (
     EVALUATE_CAPABILITY,
-    describe_evaluation,
     eval_metrics,
     evaluation_now,
     federated_record,
@@ -38,7 +37,7 @@ from fedtrain.evaluation import (
 from fedtrain.export import save_final_model
 from fedtrain.personalize import ask_to_personalize
 from fedtrain.privacy.accounting import PrivacyAccountant
-from fedtrain.round_record import RoundRecord, finished
+from fedtrain.round_record import RoundRecord, describe_evaluation, finished
 from fedtrain.run_dir import RunDir
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
