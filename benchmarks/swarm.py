@@ -325,7 +325,8 @@ def _err(v: float | None) -> str:
 HEADER = (
     "| sites | joined | joins refused | rounds | round s (min-max) | server CPU s/round | "
     "server CPU ms/site/round | threads idle / peak | RSS idle / peak MB | idle CPU (one core) | "
-    "Status max s in a round (port) | Status max s in a round (socket) | dropped | aggregate max error | note |\n"
+    "Status max s in a round (port) | Status max s in a round (socket) | dropped | "
+    "aggregate max error | note |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 

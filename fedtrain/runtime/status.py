@@ -149,20 +149,30 @@ def fetch_status(
             response_deserializer=pb.StatusMessage.FromString,
         )
         call = status(iter(requests.get, None), timeout=timeout_s, wait_for_ready=False)
+        answer: ServerState | None = None
         try:
             for message in call:
                 if message.WhichOneof("kind") == "reply":
-                    return from_proto(message.reply)
+                    # Half-close and read the call to its end: a client that hangs up
+                    # on the reply makes the server's gRPC log an ERROR with a
+                    # traceback (ExecuteBatchError) for every `fedtrain status`.
+                    answer = from_proto(message.reply)
+                    requests.put(None)
+                    continue
                 if message.WhichOneof("kind") == "challenge" and identity is not None:
                     name = server_name or dialled_host(address)
                     proof = identity.proof("status", message.challenge.nonce, name)
                     requests.put(pb.StatusRequest(proof=proof, **paging))
         except grpc.RpcError as exc:
+            if answer is not None:  # it answered, then the call failed: the answer stands
+                return answer
             message = _unreachable(address, exc, tls=identity is not None)
             raise ServerUnreachable(message) from None
         finally:
             requests.put(None)
             call.cancel()
+    if answer is not None:
+        return answer
     raise ServerUnreachable(f"the server at {address} ended the Status call without an answer")
 
 

@@ -9,15 +9,19 @@ import signal
 import stat
 import subprocess
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
 from runtime_support import Deployment, TinyTask, inprocess_server, wait_for
 
+from fedtrain.observability.status import ServerState
+from fedtrain.runtime import wire
 from fedtrain.runtime.demo import fedtrain_command
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.local_status import SOCKET_NAME, socket_address
-from fedtrain.runtime.status import ServerUnreachable, fetch_status
+from fedtrain.runtime.status import ServerUnreachable, fetch_status, to_proto
 
 pytestmark = pytest.mark.integration
 
@@ -188,3 +192,38 @@ def test_fedtrain_status_run_dir_on_the_servers_host_survives_a_kill(tmp_path: P
             60,
             "the restarted server to answer on the socket the killed one left",
         )
+
+
+def test_fetch_status_reads_the_call_to_its_end_instead_of_hanging_up_on_the_reply() -> None:
+    """A client that hung up on the reply made the server's gRPC log an ERROR with a
+    traceback ("ExecuteBatchError ... SendStatusFromServerOperation") for many
+    `fedtrain status` calls on a busy server: operators read it as a failure. Here the
+    server ends its call a moment after the reply; the client must still be there."""
+    ended: list[bool] = []
+
+    def answer(requests, context):  # type: ignore[no-untyped-def]
+        next(requests)
+        state = ServerState(run_id="r", task="t", phase="waiting", round=0, attempt=0,
+                            total_rounds=1, rounds_completed=0, min_sites=1, secagg=False,
+                            model_version="", finished=False, sites=())  # fmt: skip
+        yield pb.StatusMessage(reply=to_proto(state))
+        time.sleep(0.3)
+        ended.append(context.is_active())  # False: the client hung up
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    handler = grpc.stream_stream_rpc_method_handler(
+        answer,
+        request_deserializer=pb.StatusRequest.FromString,
+        response_serializer=pb.StatusMessage.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(wire.SERVICE, {"Status": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert fetch_status(f"127.0.0.1:{port}", None, timeout_s=5.0).run_id == "r"
+        wait_for(lambda: ended, 5.0, "the server's Status handler ends")
+        assert ended == [True]
+    finally:
+        server.stop(0)
