@@ -286,6 +286,7 @@ class SwarmRun:
     rss_idle_mb: float = 0.0
     rss_peak_mb: float = 0.0
     idle_cpu_pct: float | None = None
+    status_calls: int = 0  # answered, in any phase
     status_max_s: float | None = None  # on the sites' port (the main loop), during rounds
     local_status_max_s: float | None = None  # on the run dir's socket (its own thread)
     dropped: int = 0
@@ -424,6 +425,7 @@ def run_swarm(
                 with contextlib.suppress(ServerUnreachable):  # the run may have just ended
                     for times, where in ((status_times, address), (local_times, socket)):
                         seconds, phase = _status_seconds(where)
+                        result.status_calls += 1
                         if phase in ROUND_PHASES:
                             times.append(seconds)
             time.sleep(0.25)

@@ -42,7 +42,7 @@ from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
-from fedtrain.runtime.server.coordinator import Coordinator, RoundCallback
+from fedtrain.runtime.server.coordinator import RUN_COMPLETE_LEAVE, Coordinator, RoundCallback
 from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
@@ -352,7 +352,8 @@ class AggregationServer:
         return transfers.total_in, transfers.total_out
 
     def _audit_leave(self, session: Session, reason: str) -> None:
-        log.info("site %r left: %s", session.site, reason)
+        level = logging.DEBUG if reason == RUN_COMPLETE_LEAVE else logging.INFO
+        log.log(level, "site %r left: %s", session.site, reason)
         self.audit.record("leave", site=session.site, reason=reason)
 
     def wait(self, timeout: float | None = None) -> bool:
