@@ -43,6 +43,7 @@ from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import RUN_COMPLETE_LEAVE, Coordinator, RoundCallback
+from fedtrain.runtime.server.heap import FrozenHeap
 from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import Session, SessionRegistry
@@ -165,6 +166,7 @@ class AggregationServer:
         self.registry = SessionRegistry()
         self.audit = AuditLog(self.run_dir.path / "audit.jsonl")
         self.registry.on_leave(self._audit_leave)
+        self.heap = FrozenHeap()
         self.metrics = ServerMetrics(
             lambda: server_state(self.coordinator, self.registry), self._bytes_transferred
         )
@@ -282,9 +284,11 @@ class AggregationServer:
         return port
 
     async def _tick(self) -> None:
-        """Note, once a second, that the loop runs (`_loop_health`)."""
+        """Note, once a second, that the loop runs (`_loop_health`); keep the garbage
+        collector off the long-lived objects (`heap.py`)."""
         while True:
             self._loop_tick = time.monotonic()
+            self.heap.tick(in_round=self.coordinator.current is not None)
             await asyncio.sleep(LOOP_TICK_S)
 
     async def _watch_transfers(self) -> None:
@@ -352,6 +356,7 @@ class AggregationServer:
         return transfers.total_in, transfers.total_out
 
     def _audit_leave(self, session: Session, reason: str) -> None:
+        self.heap.site_left()
         level = logging.DEBUG if reason == RUN_COMPLETE_LEAVE else logging.INFO
         log.log(level, "site %r left: %s", session.site, reason)
         self.audit.record("leave", site=session.site, reason=reason)
@@ -381,6 +386,7 @@ class AggregationServer:
         if self._tensorboard is not None:
             self._tensorboard.close()
         self.audit.close()
+        self.heap.close()
 
     async def _shutdown(self, grace: float) -> None:
         tasks = ("_watchdog", "_ticker", "_transfers_task")
