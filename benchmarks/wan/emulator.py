@@ -62,8 +62,17 @@ def _run(*args: str) -> None:
 class EmulatedWan:
     """Namespaces + shaper for ``nodes``, links set from ``links`` (changeable while up)."""
 
-    def __init__(self, nodes: Sequence[Node], links: Mapping[str, Link], workdir: Path) -> None:
+    def __init__(
+        self,
+        nodes: Sequence[Node],
+        links: Mapping[str, Link],
+        workdir: Path,
+        sysctls: Mapping[str, str] | None = None,
+    ) -> None:
+        """`sysctls`: set in every node's namespace (the kernel's per-namespace TCP
+        settings, e.g. net.ipv4.tcp_slow_start_after_idle=0 as the runbooks advise)."""
         self.nodes = list(nodes)
+        self.sysctls = dict(sysctls or {})
         self.by_name = {n.name: n for n in self.nodes}
         self.links = dict(links)
         self.workdir = Path(workdir)
@@ -117,6 +126,8 @@ class EmulatedWan:
             _run("ip", "-n", node.netns, "tuntap", "add", "dev", node.tun, "mode", "tun")
             _run("ip", "-n", node.netns, "addr", "add", f"{node.address}/24", "dev", node.tun)
             _run("ip", "-n", node.netns, "link", "set", node.tun, "up", "txqueuelen", "1000")
+            for key, value in self.sysctls.items():
+                _run("ip", "netns", "exec", node.netns, "sysctl", "-q", "-w", f"{key}={value}")
         self.links_file.write_text(render_links(self.nodes, self.links))
         with self.log_file.open("wb") as log:
             self._shaper = subprocess.Popen(

@@ -360,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="fedtrain sites' transfer_streams (default: the site's own default, automatic)",
     )
+    parser.add_argument(
+        "--sysctl",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kernel setting for every namespace, e.g. net.ipv4.tcp_slow_start_after_idle=0",
+    )
     parser.add_argument("--workdir", type=Path, default=None, help="default: a temp dir")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--json", type=Path, default=None, help="also write raw results here")
@@ -384,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     # the runners' and the emulator's cleanup instead of leaving processes and namespaces
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    sysctls = dict(item.split("=", 1) for item in args.sysctl)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedtrain_wan_"))
     prefix = "ftw" + uuid.uuid4().hex[:4]
     command = "python -m benchmarks.wan.run " + shlex.join(
@@ -395,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     for scenario in scenarios:
         bound = scenario.bound_s(args.params)
         runs = []
-        with EmulatedWan(nodes_for(prefix), scenario.links, workdir / scenario.name) as wan:
+        with EmulatedWan(
+            nodes_for(prefix), scenario.links, workdir / scenario.name, sysctls
+        ) as wan:
             for system in systems:
                 site_options = None if args.streams is None else {"transfer_streams": args.streams}
                 runs.append(
