@@ -166,7 +166,7 @@ class AggregationServer:
         self.registry = SessionRegistry()
         self.audit = AuditLog(self.run_dir.path / "audit.jsonl")
         self.registry.on_leave(self._audit_leave)
-        self.heap = FrozenHeap()
+        self.heap = FrozenHeap(submit=self._cpu.submit)
         self.metrics = ServerMetrics(
             lambda: server_state(self.coordinator, self.registry), self._bytes_transferred
         )
