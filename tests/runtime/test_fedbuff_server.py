@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from runtime_support import CHUNK, FakeSite, TinyTask, chunk_messages, wait_for
 from runtime_support import inprocess_server as _server
 from test_servicer import _audit, _download, _refused
+from test_upload_resume import _resume
 
 from fedtrain.config import from_dict
 from fedtrain.errors import ConfigError
@@ -27,7 +29,7 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.task import task_fingerprint
-from fedtrain.tensors import ModelState
+from fedtrain.tensors import ModelState, StateAssembler
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -254,18 +256,16 @@ def test_an_update_arriving_after_the_last_buffer_filled_is_refused_not_lost(
         torch.testing.assert_close(tensor, base[name] + 0.25)  # (10 * 0.1 + 30 * 0.3) / 40
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FedBuff has no round or per-site deadline, and nothing cuts a transfer stream "
-    "that moves no bytes: a site that opens its upload and goes silent (its connection "
-    "answering keepalives) holds a max_transfers slot for the whole run. Fix: cut a "
-    "transfer stream idle for a bound (e.g. a multiple of transfers.stall_s) with "
-    "UNAVAILABLE; the upload's journal is kept upload_grace_s for a resume as for any "
-    "broken stream",
-)
+def _cuts(server: AggregationServer) -> list[tuple[str, str]]:
+    """(site, direction) of every transfer the server cut idle (audited `transfer_cut`)."""
+    return [(r["site"], r["direction"]) for r in _audit(server) if r["event"] == "transfer_cut"]
+
+
 def test_a_silent_upload_under_fedbuff_does_not_hold_a_transfer_slot_for_the_run(
     tmp_path, stop_after
 ) -> None:
+    """FedBuff has no round deadline: only the idle cut (3 x stall_s) frees the slot of a
+    site that got its go-ahead and went silent, its connection still up."""
     task = TinyTask()
     server = _server(
         tmp_path,
@@ -298,6 +298,202 @@ def test_a_silent_upload_under_fedbuff_does_not_hold_a_transfer_slot_for_the_run
         assert dict(call.initial_metadata()).get(wire.UPLOAD_GO_AHEAD) == "1"  # the only slot
         receipt = honest.stub.UploadUpdate(iter(update), timeout=10)
         assert receipt.bytes_received == delta.nbytes
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=10)
     finally:
         release.set()
         call.cancel()
+    err = info.value
+    assert err.code() is grpc.StatusCode.UNAVAILABLE  # a broken link: the site resumes
+    assert "the server cut the upload: no bytes moved from the site for 3s" in err.details()
+    assert "keeps the 0 bytes it received for 180s" in err.details()
+    assert _cuts(server) == [("rogue", "up")]  # once
+
+
+def _stalled_upload(
+    site: FakeSite, first: pb.UpdateChunk, chunks: list[pb.UpdateChunk], sent: int
+) -> tuple[str, grpc.RpcError]:
+    """Send the header and `sent` chunks, then nothing: (the upload's id, how the server
+    ended the stream)."""
+    release = threading.Event()
+
+    def stream() -> Iterator[pb.UpdateChunk]:
+        yield first
+        yield from chunks[:sent]
+        release.wait(30)
+
+    call = site.stub.UploadUpdate.future(stream(), timeout=30)
+    try:
+        upload_id = dict(call.initial_metadata())[wire.UPLOAD_ID]
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=20)
+    finally:
+        release.set()
+    return upload_id, info.value
+
+
+@pytest.mark.parametrize("resumed", ["within-grace", "after-grace"])
+def test_an_upload_cut_idle_resumes_from_its_offset_within_the_grace_or_is_refused_after(
+    tmp_path, stop_after, resumed
+) -> None:
+    task = TinyTask()
+    grace = 30.0 if resumed == "within-grace" else 0.5
+    server = _server(
+        tmp_path,
+        task,
+        rounds=1,
+        strategy=fedbuff(1, buffer_size=1),
+        transfers={"stall_s": 1.0},
+        upload_grace_s=grace,
+    )
+    stop_after.append(server)
+    site = FakeSite(server.port, "a", task_fingerprint(task))
+    stop_after.append(site)
+    work = job(site)
+    base = server.coordinator.global_model.state
+    gen = torch.Generator().manual_seed(7)
+    delta = ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()})
+    first = site.header(work.round, num_examples=10, model_version=work.model_version)
+    upload_id, err = _stalled_upload(site, first, chunk_messages(delta.chunks(CHUNK)), 2)
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert f"keeps the {2 * CHUNK} bytes it received for {grace:g}s" in err.details()
+    assert "resume the upload" in err.details()
+    [cut] = [r for r in _audit(server) if r["event"] == "transfer_cut"]
+    assert (cut["site"], cut["direction"], cut["bytes"]) == ("a", "up", 2 * CHUNK)
+    assert cut["idle_s"] >= 3.0
+    if resumed == "after-grace":
+        wait_for(
+            lambda: any(r["event"] == "upload_discarded" for r in _audit(server)),
+            10,
+            "the grace to pass",
+        )
+        refused = _refused(site, [_resume_header(first, upload_id)])
+        assert refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "the site must start the upload again" in refused.details()
+        # its job stays open (a failed upload ends no job): the site starts again from zero
+        receipt = site.upload([first, *chunk_messages(delta.chunks(CHUNK))])
+    else:
+        offset, call = _resume(site, first, delta, upload_id)
+        assert offset == 2 * CHUNK  # what arrived before the silence, nothing more
+        receipt = call.result(timeout=10)
+    assert receipt.bytes_received == delta.nbytes
+    assert server.wait(20) and server.coordinator.error is None
+    final = server.coordinator.global_model.state
+    for name, tensor in final.items():  # one update, not stale: the model moves by it
+        torch.testing.assert_close(tensor, base[name] + delta[name])
+    held_twice = server.coordinator.transfers.total_in - delta.nbytes
+    assert held_twice == (0 if resumed == "within-grace" else 2 * CHUNK)
+
+
+def _resume_header(first: pb.UpdateChunk, upload_id: str) -> pb.UpdateChunk:
+    header = pb.UpdateChunk()
+    header.CopyFrom(first)
+    header.header.resume_id = upload_id
+    return header
+
+
+def test_a_slow_upload_that_keeps_moving_is_not_cut(tmp_path, stop_after) -> None:
+    """A chunk every 1.5 s (under the 3 s idle bound) for twice the bound: not cut."""
+    task = TinyTask()
+    server = _server(
+        tmp_path, task, rounds=1, strategy=fedbuff(1, buffer_size=1), transfers={"stall_s": 1.0}
+    )
+    stop_after.append(server)
+    site = FakeSite(server.port, "a", task_fingerprint(task))
+    stop_after.append(site)
+    work = job(site)
+    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in _download(site, "").items()})
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    assert len(chunks) >= 4
+
+    def slowly() -> Iterator[pb.UpdateChunk]:
+        yield site.header(work.round, num_examples=10, model_version=work.model_version)
+        for chunk in chunks:
+            time.sleep(1.5)
+            yield chunk
+
+    receipt = site.stub.UploadUpdate(slowly(), timeout=30)
+    assert receipt.bytes_received == delta.nbytes
+    assert server.wait(20) and server.coordinator.error is None
+    assert _cuts(server) == []
+
+
+def _fedbuff_16mb(
+    tmp_path, stop_after, **extra: Any
+) -> tuple[AggregationServer, FakeSite, FakeSite]:
+    """Two sites with their jobs on a server whose model (16 MB) is more than gRPC's
+    windows hold: a download the site does not read blocks the server's writes."""
+    task = TinyTask(features=2_000_000)
+    server = _server(
+        tmp_path,
+        task,
+        rounds=2,
+        strategy=fedbuff(2, buffer_size=1),
+        chunk_bytes=256 * 1024,
+        transfers={"stall_s": 1.0},
+        **extra,
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    a, b = (FakeSite(server.port, name, fp) for name in ("a", "b"))
+    stop_after += [a, b]
+    job(a), job(b)
+    return server, a, b
+
+
+def test_a_silent_download_under_fedbuff_frees_its_slot_and_resumes_from_its_offset(
+    tmp_path, stop_after
+) -> None:
+    server, rogue, honest = _fedbuff_16mb(tmp_path, stop_after, max_transfers=1)
+    version = server.coordinator.global_model.version
+    stuck = rogue.stub.DownloadModel(
+        pb.ModelRequest(version=version, session_token=rogue.token), timeout=60
+    )
+    try:
+        head = next(stuck)  # the manifest: the slot is granted, then nothing is read
+        assert head.WhichOneof("kind") == "manifest"
+        whole = _download(honest, version)  # the only slot, freed by the cut
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for piece in stuck:  # what the windows held, then the status
+                received.append(piece.chunk)
+    finally:
+        stuck.cancel()
+    err = info.value
+    assert err.code() is grpc.StatusCode.UNAVAILABLE
+    assert "the server cut this download" in err.details()
+    assert "no bytes moved to the site for 3s" in err.details()
+    assert "Continue it from the bytes received" in err.details()
+    assert _cuts(server) == [("a", "down")]
+    # the site continues from what it holds, and gets the same model
+    offset = sum(len(c.data) for c in received)
+    rest = list(
+        rogue.stub.DownloadModel(
+            pb.ModelRequest(version=version, session_token=rogue.token, offset=offset),
+            timeout=20,
+        )
+    )
+    assert rest[0].manifest == head.manifest
+    assembler = StateAssembler([wire.spec_from_proto(s) for s in head.manifest.specs])
+    for c in [*received, *(p.chunk for p in rest[1:])]:
+        assembler.add(wire.chunk_from_proto(c))
+    assert assembler.finish().equal(whole)
+    audit = _audit(server)
+    assert [r["offset"] for r in audit if r["event"] == "download_resumed"] == [offset]
+
+
+def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> None:
+    """The server's writes block for longer than the idle bound in all, but each pause is
+    shorter: a slow reader is not a silent one."""
+    server, slow, _ = _fedbuff_16mb(tmp_path, stop_after)
+    version = server.coordinator.global_model.version
+    pieces = slow.stub.DownloadModel(
+        pb.ModelRequest(version=version, session_token=slow.token), timeout=60
+    )
+    received = 0
+    for number, piece in enumerate(pieces):
+        if number % 16 == 0:
+            time.sleep(1.5)  # the windows fill, the server waits
+        received += len(piece.chunk.data) if number else 0
+    assert received == server.coordinator.global_model.state.nbytes
+    assert _cuts(server) == []

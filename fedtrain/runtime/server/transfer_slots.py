@@ -68,9 +68,21 @@ class TransferSlots(Generic[_V]):
             yield shared.value[0]
         finally:
             shared.users -= 1
-            if shared.users == 0:
+            if shared.users == 0 and self._shared.get(key) is shared:  # not `free`d
                 del self._shared[key]
                 self._give_back(shared, closed)
+
+    def free(self, value: _V, closed: Callable[[_V], None]) -> bool:
+        """Give back the slot of the transfer whose streams share `value` now, before its
+        streams have unwound (the server cut them: their ending may wait on the site);
+        a stream of the same transfer that comes later waits for a slot again. False:
+        no transfer holds `value` (it ended meanwhile)."""
+        for key, shared in self._shared.items():
+            if shared.value and shared.value[0] is value:
+                del self._shared[key]
+                self._give_back(shared, closed)
+                return True
+        return False
 
     def _give_back(self, shared: _Shared[_V], closed: Callable[[_V], None]) -> None:
         if shared.acquired.cancel():  # still waiting: the semaphore takes the wait back
