@@ -392,30 +392,53 @@ def _resume_header(first: pb.UpdateChunk, upload_id: str) -> pb.UpdateChunk:
     return header
 
 
-def test_a_slow_upload_that_keeps_moving_is_not_cut(tmp_path, stop_after) -> None:
-    """A chunk every 1.5 s (under the 3 s idle bound) for twice the bound: not cut."""
+def test_a_slow_upload_that_keeps_moving_and_one_waiting_for_its_slot_are_not_cut(
+    tmp_path, stop_after
+) -> None:
+    """A chunk every 1.5 s (under the 3 s idle bound) for twice the bound holds the only
+    slot: it is not cut, and the upload waiting for the slot meanwhile is not either
+    (waiting for a slot is not holding one)."""
     task = TinyTask()
     server = _server(
-        tmp_path, task, rounds=1, strategy=fedbuff(1, buffer_size=1), transfers={"stall_s": 1.0}
+        tmp_path,
+        task,
+        rounds=1,
+        strategy=fedbuff(2, buffer_size=2),
+        max_transfers=1,
+        transfers={"stall_s": 1.0},
+        heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 0.0},
     )
     stop_after.append(server)
-    site = FakeSite(server.port, "a", task_fingerprint(task))
-    stop_after.append(site)
-    work = job(site)
-    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in _download(site, "").items()})
+    fp = task_fingerprint(task)
+    slow, waiting = (FakeSite(server.port, name, fp) for name in ("slow", "waiting"))
+    stop_after += [slow, waiting]
+    jobs = {site.name: job(site) for site in (slow, waiting)}
+    base = server.coordinator.global_model.state
+    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in base.items()})
     chunks = chunk_messages(delta.chunks(CHUNK))
     assert len(chunks) >= 4
+    started = threading.Event()
 
     def slowly() -> Iterator[pb.UpdateChunk]:
-        yield site.header(work.round, num_examples=10, model_version=work.model_version)
+        work = jobs["slow"]
+        yield slow.header(work.round, num_examples=10, model_version=work.model_version)
+        started.set()
         for chunk in chunks:
             time.sleep(1.5)
             yield chunk
 
-    receipt = site.stub.UploadUpdate(slowly(), timeout=30)
+    call = slow.stub.UploadUpdate.future(slowly(), timeout=30)
+    assert started.wait(10)
+    wait_for(lambda: len(server.servicer.transfer_slots) == 1, 10, "the slow upload's slot")
+    work = jobs["waiting"]
+    first = waiting.header(work.round, num_examples=30, model_version=work.model_version)
+    receipt = waiting.upload([first, *chunks])  # waits for the slot, then goes
     assert receipt.bytes_received == delta.nbytes
+    assert call.result(timeout=30).bytes_received == delta.nbytes
     assert server.wait(20) and server.coordinator.error is None
     assert _cuts(server) == []
+    for name, tensor in server.coordinator.global_model.state.items():
+        torch.testing.assert_close(tensor, base[name] + 0.5)
 
 
 def _fedbuff_16mb(

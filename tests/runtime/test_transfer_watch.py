@@ -62,3 +62,42 @@ def test_short_transfers_log_nothing(caplog) -> None:
         watch.tick(meter.started + second)
     assert meter.done == 38 * MB
     assert lines(caplog) == []
+
+
+def test_a_transfer_idle_three_stalls_is_handed_to_the_cut_once() -> None:
+    links = LinkEstimates()
+    cut: list[tuple[str, float]] = []
+    watch = TransferWatch(
+        links, TransfersConfig(stall_s=20.0), lambda m, s: cut.append((m.site, s))
+    )
+    meter = links.meter("a", "up")
+    t0 = meter.started
+    meter.add(1)
+    watch.tick(t0 + 1)
+    for second in range(2, 61):  # the stall warning at 21 s, nothing else yet
+        watch.tick(t0 + second)
+    assert cut == []
+    watch.tick(t0 + 61)  # 60 s = 3 x stall_s after its last byte
+    assert cut == [("a", 60.0)]
+    for second in range(62, 200):  # once: the servicer frees its slot and ends its streams
+        watch.tick(t0 + second)
+    assert cut == [("a", 60.0)]
+
+
+def test_the_servers_own_work_on_a_transfer_is_not_the_sites_silence() -> None:
+    """Encoding a download or journaling a chunk on a busy CPU pool: the site waits for
+    the server then, and is neither stalled nor cut however long it takes."""
+    links = LinkEstimates()
+    cut: list[str] = []
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), lambda m, s: cut.append(m.site))
+    meter = links.meter("a", "down")
+    t0 = meter.started
+    with meter.on_server():
+        for second in range(1, 200):
+            watch.tick(t0 + second)
+    assert cut == [] and meter.watched is not None and meter.watched.idle_s(t0 + 199) == 0
+    for second in range(200, 259):  # then the site's own silence counts, from there
+        watch.tick(t0 + second)
+    assert cut == []
+    watch.tick(t0 + 259)
+    assert cut == ["a"]
