@@ -97,10 +97,10 @@ class TransfersConfig:
         20.0,
         "A transfer from which no byte arrived (or to which none could be sent) this "
         "long is logged as stalled, once per stall, with how far it got; one idle 3 x "
-        "this is cut (`transfer cut` in the log, `transfer_cut` audited), its "
-        "max_transfers slot freed for other sites, and the site resumes it where it "
-        "stopped. Raise it when a chunk (chunk_bytes) takes longer than this on your "
-        "slowest sites' links.",
+        "this is cut while another transfer waits for a slot (`transfer cut` in the log, "
+        "`transfer_cut` audited): its max_transfers slot goes to that one, and the site "
+        "resumes where it stopped. Raise it when a chunk (chunk_bytes) takes longer than "
+        "this on your slowest sites' links.",
     )
     progress_after_s: float = option(
         10.0,

@@ -311,10 +311,14 @@ def test_a_silent_upload_under_fedbuff_does_not_hold_a_transfer_slot_for_the_run
 
 
 def _stalled_upload(
-    site: FakeSite, first: pb.UpdateChunk, chunks: list[pb.UpdateChunk], sent: int
+    site: FakeSite,
+    first: pb.UpdateChunk,
+    chunks: list[pb.UpdateChunk],
+    sent: int,
+    other: FakeSite,
 ) -> tuple[str, grpc.RpcError]:
-    """Send the header and `sent` chunks, then nothing: (the upload's id, how the server
-    ended the stream)."""
+    """Send the header and `sent` chunks, then nothing, while `other` waits for the only
+    slot to download the model: (the upload's id, how the server ended the stream)."""
     release = threading.Event()
 
     def stream() -> Iterator[pb.UpdateChunk]:
@@ -323,12 +327,18 @@ def _stalled_upload(
         release.wait(30)
 
     call = site.stub.UploadUpdate.future(stream(), timeout=30)
+    downloaded: list[ModelState] = []
+    waiting = threading.Thread(target=lambda: downloaded.append(_download(other, "")))
     try:
         upload_id = dict(call.initial_metadata())[wire.UPLOAD_ID]
+        waiting.start()
         with pytest.raises(grpc.RpcError) as info:
             call.result(timeout=20)
     finally:
         release.set()
+        if waiting.ident is not None:
+            waiting.join(20)
+    assert downloaded, "the waiting download never got the slot"
     return upload_id, info.value
 
 
@@ -342,24 +352,27 @@ def test_an_upload_cut_idle_resumes_from_its_offset_within_the_grace_or_is_refus
         tmp_path,
         task,
         rounds=1,
-        strategy=fedbuff(1, buffer_size=1),
+        strategy=fedbuff(2, buffer_size=1),
+        max_transfers=1,
         transfers={"stall_s": 1.0},
         upload_grace_s=grace,
     )
     stop_after.append(server)
-    site = FakeSite(server.port, "a", task_fingerprint(task))
-    stop_after.append(site)
-    work = job(site)
+    fp = task_fingerprint(task)
+    site, other = (FakeSite(server.port, name, fp) for name in ("a", "b"))
+    stop_after += [site, other]
+    work, _ = job(site), job(other)
     base = server.coordinator.global_model.state
     gen = torch.Generator().manual_seed(7)
     delta = ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()})
     first = site.header(work.round, num_examples=10, model_version=work.model_version)
-    upload_id, err = _stalled_upload(site, first, chunk_messages(delta.chunks(CHUNK)), 2)
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    upload_id, err = _stalled_upload(site, first, chunks, 2, other)
     assert err.code() is grpc.StatusCode.UNAVAILABLE
     assert f"keeps the {2 * CHUNK} bytes it received for {grace:g}s" in err.details()
     assert "resume the upload" in err.details()
     [cut] = [r for r in _audit(server) if r["event"] == "transfer_cut"]
-    assert (cut["site"], cut["direction"], cut["bytes"]) == ("a", "up", 2 * CHUNK)
+    assert (cut["site"], cut["direction"], cut["bytes"], cut["waiting"]) == ("a", "up", 32, 1)
     assert cut["idle_s"] >= 3.0
     if resumed == "after-grace":
         wait_for(
@@ -441,6 +454,31 @@ def test_a_slow_upload_that_keeps_moving_and_one_waiting_for_its_slot_are_not_cu
         torch.testing.assert_close(tensor, base[name] + 0.5)
 
 
+def test_an_idle_upload_nobody_waits_for_keeps_its_slot(tmp_path, stop_after) -> None:
+    """Bytes are counted by the chunk: a chunk on its way over a link slower than
+    chunk_bytes / (3 x stall_s) looks idle. With a slot free for anyone, a cut would only
+    throw that chunk away (for ever, on such a link), so the transfer is not cut."""
+    task = TinyTask()
+    server = _server(
+        tmp_path, task, rounds=1, strategy=fedbuff(1, buffer_size=1), transfers={"stall_s": 1.0}
+    )
+    stop_after.append(server)
+    site = FakeSite(server.port, "a", task_fingerprint(task))
+    stop_after.append(site)
+    work = job(site)
+    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in _download(site, "").items()})
+
+    def late() -> Iterator[pb.UpdateChunk]:
+        yield site.header(work.round, num_examples=10, model_version=work.model_version)
+        time.sleep(5)  # a first chunk that takes 5 s to arrive; the bound is 3 s
+        yield from chunk_messages(delta.chunks(CHUNK))
+
+    receipt = site.stub.UploadUpdate(late(), timeout=30)
+    assert receipt.bytes_received == delta.nbytes
+    assert server.wait(20) and server.coordinator.error is None
+    assert _cuts(server) == []
+
+
 def _fedbuff_16mb(
     tmp_path, stop_after, **extra: Any
 ) -> tuple[AggregationServer, FakeSite, FakeSite]:
@@ -507,16 +545,24 @@ def test_a_silent_download_under_fedbuff_frees_its_slot_and_resumes_from_its_off
 
 def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> None:
     """The server's writes block for longer than the idle bound in all, but each pause is
-    shorter: a slow reader is not a silent one."""
-    server, slow, _ = _fedbuff_16mb(tmp_path, stop_after)
+    shorter: a slow reader is not a silent one, though another site waits for its slot."""
+    server, slow, other = _fedbuff_16mb(tmp_path, stop_after, max_transfers=1)
     version = server.coordinator.global_model.version
     pieces = slow.stub.DownloadModel(
         pb.ModelRequest(version=version, session_token=slow.token), timeout=60
     )
+    head = next(pieces)  # the slot is the slow site's now
+    downloaded: list[ModelState] = []
+    waiting = threading.Thread(target=lambda: downloaded.append(_download(other, version)))
+    waiting.start()
     received = 0
-    for number, piece in enumerate(pieces):
-        if number % 16 == 0:
-            time.sleep(1.5)  # the windows fill, the server waits
-        received += len(piece.chunk.data) if number else 0
-    assert received == server.coordinator.global_model.state.nbytes
+    try:
+        for number, piece in enumerate(pieces):
+            if number % 16 == 0:
+                time.sleep(1.5)  # the windows fill, the server waits
+            received += len(piece.chunk.data)
+    finally:
+        waiting.join(30)
+    assert received == head.manifest.total_bytes
+    assert downloaded  # once the slow site was done
     assert _cuts(server) == []

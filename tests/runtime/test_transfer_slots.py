@@ -26,10 +26,12 @@ def test_a_freed_slot_goes_to_the_next_transfer_before_the_cut_streams_unwind() 
         waiting = asyncio.create_task(stream("honest"))
         await asyncio.sleep(0.01)
         assert events == ["rogue granted meter-rogue"] * 2 and len(slots) == 2
+        assert slots.waiting == 1  # what makes the servicer cut an idle transfer
         assert slots.free(meters["rogue"], closed.append)
         assert not slots.free(meters["rogue"], closed.append)  # once
         await asyncio.sleep(0.01)
         assert events[-1] == "honest granted meter-honest"  # the slot, while rogue unwinds
+        assert slots.waiting == 0
         unwind.set()
         await asyncio.gather(*cut, waiting)
         assert closed == ["meter-rogue", "meter-honest"]  # each closed once

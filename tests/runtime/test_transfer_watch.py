@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from fedtrain.runtime.config import TransfersConfig
-from fedtrain.runtime.server.links import LinkEstimates
+from fedtrain.runtime.server.links import LinkEstimates, TransferMeter
 from fedtrain.runtime.server.transfer_watch import TransferWatch
 
 MB = 1_000_000
@@ -64,24 +64,30 @@ def test_short_transfers_log_nothing(caplog) -> None:
     assert lines(caplog) == []
 
 
-def test_a_transfer_idle_three_stalls_is_handed_to_the_cut_once() -> None:
+def test_a_transfer_idle_three_stalls_is_offered_to_the_cut_until_it_takes_it() -> None:
     links = LinkEstimates()
-    cut: list[tuple[str, float]] = []
-    watch = TransferWatch(
-        links, TransfersConfig(stall_s=20.0), lambda m, s: cut.append((m.site, s))
-    )
+    offered: list[tuple[str, float]] = []
+    needed = {"slot": False}  # whether the servicer cuts it (another transfer waits)
+
+    def cut(meter: TransferMeter, idle_s: float) -> bool:
+        offered.append((meter.site, idle_s))
+        return needed["slot"]
+
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), cut)
     meter = links.meter("a", "up")
     t0 = meter.started
     meter.add(1)
     watch.tick(t0 + 1)
     for second in range(2, 61):  # the stall warning at 21 s, nothing else yet
         watch.tick(t0 + second)
-    assert cut == []
+    assert offered == []
     watch.tick(t0 + 61)  # 60 s = 3 x stall_s after its last byte
-    assert cut == [("a", 60.0)]
-    for second in range(62, 200):  # once: the servicer frees its slot and ends its streams
+    watch.tick(t0 + 62)  # nobody needed its slot: offered again
+    assert offered == [("a", 60.0), ("a", 61.0)]
+    needed["slot"] = True
+    for second in range(63, 200):  # taken once: the servicer freed its slot, ended its streams
         watch.tick(t0 + second)
-    assert cut == [("a", 60.0)]
+    assert offered[2:] == [("a", 62.0)]
 
 
 def test_the_servers_own_work_on_a_transfer_is_not_the_sites_silence() -> None:
@@ -89,7 +95,12 @@ def test_the_servers_own_work_on_a_transfer_is_not_the_sites_silence() -> None:
     the server then, and is neither stalled nor cut however long it takes."""
     links = LinkEstimates()
     cut: list[str] = []
-    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), lambda m, s: cut.append(m.site))
+
+    def take(meter: TransferMeter, idle_s: float) -> bool:
+        cut.append(meter.site)
+        return True
+
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), take)
     meter = links.meter("a", "down")
     t0 = meter.started
     with meter.on_server():

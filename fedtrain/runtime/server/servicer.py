@@ -1148,14 +1148,18 @@ class FedtrainServicer:
             if loop is not None:
                 loop.call_soon_threadsafe(task.cancel)
 
-    def cut_idle(self, meter: TransferMeter, idle_s: float) -> None:
-        """A listener of `TransferWatch` (on the loop): a transfer that held a slot and
-        moved no byte for `transfer_watch.idle_cut_s` gives it back now, and each of its
-        streams ends with UNAVAILABLE and what to do (an upload is kept `upload_grace_s`
-        for a resume, a download continues from its offset: a site that was only in an
-        outage loses nothing). Logged once and audited `transfer_cut`."""
+    def cut_idle(self, meter: TransferMeter, idle_s: float) -> bool:
+        """A listener of `TransferWatch` (on the loop): a transfer that holds a slot and
+        moved no byte for `transfer_watch.idle_cut_s` gives it back as soon as another
+        transfer waits for one (True: cut), and each of its streams ends with
+        UNAVAILABLE and what to do (an upload is kept `upload_grace_s` for a resume, a
+        download continues from its offset: a site that was only in an outage loses
+        nothing). Logged once and audited `transfer_cut`."""
+        waiting = self.transfer_slots.waiting
+        if not waiting:
+            return False  # nobody needs the slot: a slow chunk may still be on its way
         if not self.transfer_slots.free(meter, TransferMeter.close):
-            return  # it ended meanwhile
+            return True  # it ended meanwhile
         moved = "from" if meter.direction == "up" else "to"
         meter.cut = (
             f"no bytes moved {moved} the site for {idle_s:.0f}s while it held one of the "
@@ -1167,12 +1171,13 @@ class FedtrainServicer:
             else "it may continue from the bytes it received"
         )
         log.warning(
-            "transfer cut: no bytes %s site %r for %.0fs (%s); its slot is free for other "
-            "sites, %s",
+            "transfer cut: no bytes %s site %r for %.0fs (%s) while %d transfer(s) waited "
+            "for a slot; its slot is free for them, %s",
             moved,
             meter.site,
             idle_s,
             describe(meter),
+            waiting,
             kept,
         )
         self.audit.record(
@@ -1182,9 +1187,11 @@ class FedtrainServicer:
             idle_s=round(idle_s, 1),
             bytes=meter.done,
             total_bytes=meter.total,
+            waiting=waiting,
         )
         for task in list(meter.streams):
             task.cancel()
+        return True
 
     async def _weigh(
         self,
