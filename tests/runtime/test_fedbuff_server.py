@@ -261,6 +261,21 @@ def _cuts(server: AggregationServer) -> list[tuple[str, str]]:
     return [(r["site"], r["direction"]) for r in _audit(server) if r["event"] == "transfer_cut"]
 
 
+def _idle_cut_server(
+    tmp_path, stop_after, names: tuple[str, ...], task: TinyTask | None = None, **extra: Any
+) -> tuple[AggregationServer, list[FakeSite], dict[str, pb.Instruction]]:
+    """A FedBuff run (one version of one update unless said) whose transfers are cut
+    idle after 3 s (stall_s = 1) while another waits, and the sites `names` joined with
+    their jobs."""
+    task = task or TinyTask()
+    options = {"rounds": 1, "strategy": fedbuff(len(names), buffer_size=1), **extra}
+    server = _server(tmp_path, task, transfers={"stall_s": 1.0}, **options)
+    stop_after.append(server)
+    sites = [FakeSite(server.port, name, task_fingerprint(task)) for name in names]
+    stop_after += sites
+    return server, sites, {site.name: job(site) for site in sites}
+
+
 def test_a_silent_upload_under_fedbuff_does_not_hold_a_transfer_slot_for_the_run(
     tmp_path, stop_after
 ) -> None:
@@ -346,22 +361,11 @@ def _stalled_upload(
 def test_an_upload_cut_idle_resumes_from_its_offset_within_the_grace_or_is_refused_after(
     tmp_path, stop_after, resumed
 ) -> None:
-    task = TinyTask()
     grace = 30.0 if resumed == "within-grace" else 0.5
-    server = _server(
-        tmp_path,
-        task,
-        rounds=1,
-        strategy=fedbuff(2, buffer_size=1),
-        max_transfers=1,
-        transfers={"stall_s": 1.0},
-        upload_grace_s=grace,
+    server, (site, other), jobs = _idle_cut_server(
+        tmp_path, stop_after, ("a", "b"), max_transfers=1, upload_grace_s=grace
     )
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    site, other = (FakeSite(server.port, name, fp) for name in ("a", "b"))
-    stop_after += [site, other]
-    work, _ = job(site), job(other)
+    work = jobs["a"]
     base = server.coordinator.global_model.state
     gen = torch.Generator().manual_seed(7)
     delta = ModelState({k: torch.randn(v.shape, generator=gen) for k, v in base.items()})
@@ -411,21 +415,14 @@ def test_a_slow_upload_that_keeps_moving_and_one_waiting_for_its_slot_are_not_cu
     """A chunk every 1.5 s (under the 3 s idle bound) for twice the bound holds the only
     slot: it is not cut, and the upload waiting for the slot meanwhile is not either
     (waiting for a slot is not holding one)."""
-    task = TinyTask()
-    server = _server(
+    server, (slow, waiting), jobs = _idle_cut_server(
         tmp_path,
-        task,
-        rounds=1,
+        stop_after,
+        ("slow", "waiting"),
         strategy=fedbuff(2, buffer_size=2),
         max_transfers=1,
-        transfers={"stall_s": 1.0},
         heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 0.0},
     )
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    slow, waiting = (FakeSite(server.port, name, fp) for name in ("slow", "waiting"))
-    stop_after += [slow, waiting]
-    jobs = {site.name: job(site) for site in (slow, waiting)}
     base = server.coordinator.global_model.state
     delta = ModelState({k: torch.full_like(v, 0.5) for k, v in base.items()})
     chunks = chunk_messages(delta.chunks(CHUNK))
@@ -458,14 +455,8 @@ def test_an_idle_upload_nobody_waits_for_keeps_its_slot(tmp_path, stop_after) ->
     """Bytes are counted by the chunk: a chunk on its way over a link slower than
     chunk_bytes / (3 x stall_s) looks idle. With a slot free for anyone, a cut would only
     throw that chunk away (for ever, on such a link), so the transfer is not cut."""
-    task = TinyTask()
-    server = _server(
-        tmp_path, task, rounds=1, strategy=fedbuff(1, buffer_size=1), transfers={"stall_s": 1.0}
-    )
-    stop_after.append(server)
-    site = FakeSite(server.port, "a", task_fingerprint(task))
-    stop_after.append(site)
-    work = job(site)
+    server, (site,), jobs = _idle_cut_server(tmp_path, stop_after, ("a",))
+    work = jobs["a"]
     delta = ModelState({k: torch.full_like(v, 0.5) for k, v in _download(site, "").items()})
 
     def late() -> Iterator[pb.UpdateChunk]:
@@ -479,33 +470,24 @@ def test_an_idle_upload_nobody_waits_for_keeps_its_slot(tmp_path, stop_after) ->
     assert _cuts(server) == []
 
 
-def _fedbuff_16mb(
-    tmp_path, stop_after, **extra: Any
-) -> tuple[AggregationServer, FakeSite, FakeSite]:
-    """Two sites with their jobs on a server whose model (16 MB) is more than gRPC's
-    windows hold: a download the site does not read blocks the server's writes."""
-    task = TinyTask(features=2_000_000)
-    server = _server(
+def _large_model(tmp_path, stop_after) -> tuple[AggregationServer, FakeSite, FakeSite]:
+    """Two sites sharing one slot, whose model (16 MB) is more than gRPC's windows hold:
+    a download the site does not read blocks the server's writes."""
+    server, (a, b), _ = _idle_cut_server(
         tmp_path,
-        task,
-        rounds=2,
-        strategy=fedbuff(2, buffer_size=1),
+        stop_after,
+        ("a", "b"),
+        TinyTask(features=2_000_000),
         chunk_bytes=256 * 1024,
-        transfers={"stall_s": 1.0},
-        **extra,
+        max_transfers=1,
     )
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    a, b = (FakeSite(server.port, name, fp) for name in ("a", "b"))
-    stop_after += [a, b]
-    job(a), job(b)
     return server, a, b
 
 
 def test_a_silent_download_under_fedbuff_frees_its_slot_and_resumes_from_its_offset(
     tmp_path, stop_after
 ) -> None:
-    server, rogue, honest = _fedbuff_16mb(tmp_path, stop_after, max_transfers=1)
+    server, rogue, honest = _large_model(tmp_path, stop_after)
     version = server.coordinator.global_model.version
     stuck = rogue.stub.DownloadModel(
         pb.ModelRequest(version=version, session_token=rogue.token), timeout=60
@@ -546,7 +528,7 @@ def test_a_silent_download_under_fedbuff_frees_its_slot_and_resumes_from_its_off
 def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> None:
     """The server's writes block for longer than the idle bound in all, but each pause is
     shorter: a slow reader is not a silent one, though another site waits for its slot."""
-    server, slow, other = _fedbuff_16mb(tmp_path, stop_after, max_transfers=1)
+    server, slow, other = _large_model(tmp_path, stop_after)
     version = server.coordinator.global_model.version
     pieces = slow.stub.DownloadModel(
         pb.ModelRequest(version=version, session_token=slow.token), timeout=60
