@@ -28,6 +28,7 @@ from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
+from fedtrain.runtime.server.servicer import UNREAD_CUTS
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState, StateAssembler
 
@@ -548,3 +549,36 @@ def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> No
     assert received == head.manifest.total_bytes
     assert downloaded  # once the slow site was done
     assert _cuts(server) == []
+
+
+def test_a_site_that_never_reads_its_cut_downloads_cannot_pile_them_up(
+    tmp_path, stop_after
+) -> None:
+    """gRPC keeps a cut download's stream, and its chunk, until the site reads on: a
+    site may leave only UNREAD_CUTS of them unread before its downloads are refused."""
+    server, rogue, honest = _large_model(tmp_path, stop_after)
+    version = server.coordinator.global_model.version
+    request = pb.ModelRequest(version=version, session_token=rogue.token)
+    stuck = []
+    try:
+        for cuts in range(1, UNREAD_CUTS + 1):
+            stuck.append(rogue.stub.DownloadModel(request, timeout=60))
+            next(stuck[-1])  # the manifest: the slot is granted, then nothing is read
+            _download(honest, version)  # waits for the only slot: the rogue's is cut
+            assert len(_cuts(server)) == cuts
+        with pytest.raises(grpc.RpcError) as info:
+            next(rogue.stub.DownloadModel(request, timeout=10))
+        assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "still unread" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stuck.pop():  # read one to its end: the cut's status
+                pass
+        assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+        wait_for(
+            lambda: len(server.registry.get("a").unread_cuts) < UNREAD_CUTS, 10, "the read end"
+        )
+        pieces = list(rogue.stub.DownloadModel(request, timeout=20))  # served again
+        assert sum(len(p.chunk.data) for p in pieces[1:]) == pieces[0].manifest.total_bytes
+    finally:
+        for call in stuck:
+            call.cancel()

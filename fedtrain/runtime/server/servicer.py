@@ -99,6 +99,12 @@ HEARTBEATS_PER_S = 50.0
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
 CAPACITY_RETRY_S = 30.0
+#: Downloads of one session that the server cut (`cut_idle`) and whose end the site has
+#: not read yet, at most: gRPC keeps such a stream, and the chunk it was writing, until
+#: the site reads on or its connection closes, so a site that never reads could pile up
+#: one per cut. A site back from an outage has one (its old connection's, until the
+#: server's keepalive closes it), two after a second outage within that time.
+UNREAD_CUTS = 3
 
 
 class EndedEarly(FedtrainError):
@@ -660,6 +666,16 @@ class FedtrainServicer:
         write the site does not read can then be cut by `cut_idle`, which a generator
         blocked in gRPC's own write never sees)."""
         session = await self._session(request.session_token, context, "model download")
+        if len(session.unread_cuts) >= UNREAD_CUTS:
+            await self._deny(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "unread_cuts",
+                f"site {session.site!r}: {len(session.unread_cuts)} model downloads the server "
+                "cut for moving no bytes are still unread on this site's connections; read "
+                "them to their end (or cancel them) before downloading again",
+                site=session.site,
+            )
         model = await self._run(self.coordinator.model_for_download, session, request.version)
         if model is None:
             current = self.coordinator.global_model
@@ -697,7 +713,7 @@ class FedtrainServicer:
             )
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
-        cut = ""
+        cut: TransferMeter | None = None
         try:
             # One slot for all of a session's downloads at a time, whatever they name:
             # keyed by what the site chooses (a version, a held reference) one site
@@ -710,17 +726,23 @@ class FedtrainServicer:
                 except asyncio.CancelledError:
                     if not meter.cut:
                         raise
-                    cut = meter.cut  # its slot is free already
+                    cut = meter  # its slot is free already
         finally:
             session.streams.discard(task)
-        if cut:
-            await _end_cut_stream(
-                context,
-                f"site {session.site!r}: the server cut this download of model "
-                f"{model.version[:12]}: {cut}. Continue it from the bytes received "
-                "(ModelRequest.offset; the site daemon does so by itself while its "
-                "instruction's deadline allows)",
-            )
+        if cut is not None:
+            session.unread_cuts[cut] += 1  # until the site reads the status (UNREAD_CUTS)
+            try:
+                await _end_cut_stream(
+                    context,
+                    f"site {session.site!r}: the server cut this download of model "
+                    f"{model.version[:12]}: {cut.cut}. Continue it from the bytes received "
+                    "(ModelRequest.offset; the site daemon does so by itself while its "
+                    "instruction's deadline allows)",
+                )
+            finally:
+                session.unread_cuts[cut] -= 1
+                if not session.unread_cuts[cut]:
+                    del session.unread_cuts[cut]
 
     async def _send_model(
         self,
