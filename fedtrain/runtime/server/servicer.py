@@ -24,7 +24,10 @@ the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
 downloads and uploads moved at once, so journal memory and open files stay bounded
 however many sites there are. A site may spread a transfer over parallel streams
 (separate connections, a byte range each: `resumable.py`, `site/streams.py`); they
-share the transfer's one slot (`transfer_slots.py`).
+share the transfer's one slot (`transfer_slots.py`). A transfer that holds a slot and
+moves no byte for 3 x `transfers.stall_s` gives it up once another transfer waits
+(`cut_idle`, decided by `transfer_watch.py`'s once-a-second sample): its streams end
+with UNAVAILABLE, and the site resumes it like a broken one.
 """
 
 from __future__ import annotations
