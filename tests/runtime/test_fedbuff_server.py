@@ -27,6 +27,7 @@ from fedtrain.round_record import check_record
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.servicer import UNREAD_CUTS
 from fedtrain.task import task_fingerprint
@@ -471,6 +472,16 @@ def test_an_idle_upload_nobody_waits_for_keeps_its_slot(tmp_path, stop_after) ->
     assert _cuts(server) == []
 
 
+def _unread_stub(server: AggregationServer, stop_after: list[Any]) -> pb_grpc.FedtrainStub:
+    """A stub on a connection whose receive windows stay at gRPC's 64 KiB (no BDP probe):
+    a download it does not read blocks the server's writes after a few chunks (with the
+    probe the windows grow to megabytes on a fast link, and a loaded machine lets them)."""
+    options = [*wire.channel_options(64 << 20), ("grpc.http2.bdp_probe", 0)]
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}", options=options)
+    stop_after.append(channel)
+    return pb_grpc.FedtrainStub(channel)
+
+
 def _large_model(tmp_path, stop_after) -> tuple[AggregationServer, FakeSite, FakeSite]:
     """Two sites sharing one slot, whose model (16 MB) is more than gRPC's windows hold:
     a download the site does not read blocks the server's writes."""
@@ -490,7 +501,7 @@ def test_a_silent_download_under_fedbuff_frees_its_slot_and_resumes_from_its_off
 ) -> None:
     server, rogue, honest = _large_model(tmp_path, stop_after)
     version = server.coordinator.global_model.version
-    stuck = rogue.stub.DownloadModel(
+    stuck = _unread_stub(server, stop_after).DownloadModel(
         pb.ModelRequest(version=version, session_token=rogue.token), timeout=60
     )
     try:
@@ -531,7 +542,7 @@ def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> No
     shorter: a slow reader is not a silent one, though another site waits for its slot."""
     server, slow, other = _large_model(tmp_path, stop_after)
     version = server.coordinator.global_model.version
-    pieces = slow.stub.DownloadModel(
+    pieces = _unread_stub(server, stop_after).DownloadModel(
         pb.ModelRequest(version=version, session_token=slow.token), timeout=60
     )
     head = next(pieces)  # the slot is the slow site's now
@@ -559,10 +570,11 @@ def test_a_site_that_never_reads_its_cut_downloads_cannot_pile_them_up(
     server, rogue, honest = _large_model(tmp_path, stop_after)
     version = server.coordinator.global_model.version
     request = pb.ModelRequest(version=version, session_token=rogue.token)
+    unread = _unread_stub(server, stop_after)
     stuck = []
     try:
         for cuts in range(1, UNREAD_CUTS + 1):
-            stuck.append(rogue.stub.DownloadModel(request, timeout=60))
+            stuck.append(unread.DownloadModel(request, timeout=60))
             next(stuck[-1])  # the manifest: the slot is granted, then nothing is read
             _download(honest, version)  # waits for the only slot: the rogue's is cut
             assert len(_cuts(server)) == cuts
