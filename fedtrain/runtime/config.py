@@ -96,7 +96,11 @@ class TransfersConfig:
     stall_s: float = option(
         20.0,
         "A transfer from which no byte arrived (or to which none could be sent) this "
-        "long is logged as stalled, once per stall, with how far it got.",
+        "long is logged as stalled, once per stall, with how far it got; one idle 3 x "
+        "this is cut while another transfer waits for a slot (`transfer cut` in the log, "
+        "`transfer_cut` audited): its max_transfers slot goes to that one, and the site "
+        "resumes where it stopped. Raise it when a chunk (chunk_bytes) takes longer than "
+        "this on your slowest sites' links.",
     )
     progress_after_s: float = option(
         10.0,

@@ -54,7 +54,9 @@ def _site(
     return daemon
 
 
-def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> AggregationServer:
+def _server(
+    tmp_path, stop_after, sites: int, grace_s: float, timeout_s: float = 2.0, **extra: Any
+) -> AggregationServer:
     task = TinyTask(features=FEATURES)
     server = inprocess_server(
         tmp_path,
@@ -62,7 +64,7 @@ def _server(tmp_path, stop_after, sites: int, grace_s: float, **extra: Any) -> A
         sites=sites,
         rounds=1,
         chunk_bytes=CHUNK_BYTES,
-        heartbeat={"interval_s": 0.2, "timeout_s": 2.0, "grace_s": grace_s},
+        heartbeat={"interval_s": 0.2, "timeout_s": timeout_s, "grace_s": grace_s},
         **extra,
     )
     stop_after.append(server)
@@ -333,3 +335,37 @@ def test_a_daemon_stopped_on_purpose_after_a_silence_leaves_at_once(tmp_path, st
     daemon.stop()
     wait_for(lambda: server.registry.get("quiet") is None, 10, "the daemon's leave")
     assert not _audit(server, "site_away")
+
+
+def test_an_upload_cut_idle_during_a_short_outage_resumes_and_nobody_is_dropped(
+    tmp_path, stop_after
+) -> None:
+    """The link of far fails mid-upload for 6 s (shorter than its heartbeat timeout) on
+    the only slot while near waits for it: the idle cut (3 x stall_s) hands the slot to
+    near, and far, back on its link, reads the cut's UNAVAILABLE, resumes from the offset
+    the server holds and completes: the round has both."""
+    server = _server(
+        tmp_path,
+        stop_after,
+        sites=2,
+        grace_s=30.0,
+        timeout_s=15.0,
+        max_transfers=1,
+        transfers={"stall_s": 1.0},
+    )
+    proxy = _proxy(server, stop_after)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)
+    _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
+    _site("near", f"127.0.0.1:{server.port}", TinyTask(features=FEATURES, delay_s=1.0), stop_after)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    [cut] = wait_for(lambda: _audit(server, "transfer_cut"), 20, "the idle upload to be cut")
+    assert (cut["site"], cut["direction"], cut["waiting"]) == ("far", "up", 1)
+    time.sleep(max(0.0, 6.0 - cut["idle_s"]))
+    proxy.resume()
+    assert server.wait(60) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == [] and record["clients"] == 2
+    assert _audit(server, "upload_resumed")[0]["offset"] == cut["bytes"] > 0
+    assert not _audit(server, "site_away")  # the outage was shorter than the heartbeat's
+    assert {r["reason"] for r in _audit(server, "leave")} == {"run complete"}

@@ -8,6 +8,7 @@ twice; silent sites are disconnected.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -427,6 +428,38 @@ def test_silent_site_is_disconnected_and_fingerprints_are_checked(tmp_path, stop
     status = fetch_status(f"127.0.0.1:{server.port}", None, timeout_s=5)
     assert status.run_id == server.coordinator.run_id
     assert status.total_rounds == 3 and not status.finished
+
+
+def test_an_upload_that_keeps_moving_keeps_its_site_alive_while_its_heartbeats_are_late(
+    tmp_path, stop_after
+) -> None:
+    """Issue 14: on a congested uplink the control stream's heartbeats queue behind the
+    site's own upload bytes; the bytes arriving are what says the site is alive. No
+    heartbeat for twice its timeout (and no outage grace: silence drops at once), but a
+    chunk every 0.7 s: the site stays, and its update counts."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 1.5, "grace_s": 0.0}
+    )
+    stop_after.append(server)
+    site = FakeSite(server.port, "congested", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    delta = ModelState({k: torch.full_like(v, 0.5) for k, v in _download(site, version).items()})
+    chunks = chunk_messages(delta.chunks(CHUNK))
+    assert len(chunks) * 0.7 >= 2 * 1.5
+
+    def moving() -> Iterator[pb.UpdateChunk]:
+        yield site.header(1, num_examples=10, model_version=version)
+        for chunk in chunks:
+            time.sleep(0.7)
+            yield chunk
+
+    receipt = site.stub.UploadUpdate(moving(), timeout=30)
+    assert receipt.bytes_received == delta.nbytes
+    assert server.wait(20) and server.coordinator.error is None
+    leaves = [r for r in _audit(server) if r["event"] == "leave"]
+    assert [r["reason"] for r in leaves] == ["run complete"]
 
 
 def test_one_site_cannot_take_every_transfer_slot_with_downloads_it_never_reads(

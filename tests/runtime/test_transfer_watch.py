@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from fedtrain.runtime.config import TransfersConfig
-from fedtrain.runtime.server.links import LinkEstimates
+from fedtrain.runtime.server.links import LinkEstimates, TransferMeter
 from fedtrain.runtime.server.transfer_watch import TransferWatch
 
 MB = 1_000_000
@@ -62,3 +62,53 @@ def test_short_transfers_log_nothing(caplog) -> None:
         watch.tick(meter.started + second)
     assert meter.done == 38 * MB
     assert lines(caplog) == []
+
+
+def test_a_transfer_idle_three_stalls_is_offered_to_the_cut_until_it_takes_it() -> None:
+    links = LinkEstimates()
+    offered: list[tuple[str, float]] = []
+    needed = {"slot": False}  # whether the servicer cuts it (another transfer waits)
+
+    def cut(meter: TransferMeter, idle_s: float) -> bool:
+        offered.append((meter.site, idle_s))
+        return needed["slot"]
+
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), cut)
+    meter = links.meter("a", "up")
+    t0 = meter.started
+    meter.add(1)
+    watch.tick(t0 + 1)
+    for second in range(2, 61):  # the stall warning at 21 s, nothing else yet
+        watch.tick(t0 + second)
+    assert offered == []
+    watch.tick(t0 + 61)  # 60 s = 3 x stall_s after its last byte
+    watch.tick(t0 + 62)  # nobody needed its slot: offered again
+    assert offered == [("a", 60.0), ("a", 61.0)]
+    needed["slot"] = True
+    for second in range(63, 200):  # taken once: the servicer freed its slot, ended its streams
+        watch.tick(t0 + second)
+    assert offered[2:] == [("a", 62.0)]
+
+
+def test_the_servers_own_work_on_a_transfer_is_not_the_sites_silence() -> None:
+    """Encoding a download or journaling a chunk on a busy CPU pool: the site waits for
+    the server then, and is neither stalled nor cut however long it takes."""
+    links = LinkEstimates()
+    cut: list[str] = []
+
+    def take(meter: TransferMeter, idle_s: float) -> bool:
+        cut.append(meter.site)
+        return True
+
+    watch = TransferWatch(links, TransfersConfig(stall_s=20.0), take)
+    meter = links.meter("a", "down")
+    t0 = meter.started
+    with meter.on_server():
+        for second in range(1, 200):
+            watch.tick(t0 + second)
+    assert cut == [] and meter.watched is not None and meter.watched.idle_s(t0 + 199) == 0
+    for second in range(200, 259):  # then the site's own silence counts, from there
+        watch.tick(t0 + second)
+    assert cut == []
+    watch.tick(t0 + 259)
+    assert cut == ["a"]

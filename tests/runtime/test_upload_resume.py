@@ -31,6 +31,7 @@ from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
+from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -225,3 +226,56 @@ def test_a_broken_upload_cannot_continue_into_another_round(tmp_path, stop_after
         assert "round" in info.value.details()
     wait_for(lambda: _audit(server, "upload_discarded"), 10, "the old upload to be discarded")
     assert len(server.servicer.held) == 0
+
+
+def test_in_a_round_an_idle_upload_gives_its_slot_to_a_waiting_one_and_resumes_after(
+    tmp_path, stop_after
+) -> None:
+    """The idle cut in a synchronous round (per-site deadlines do not judge a site
+    without measured figures): alpha goes silent after two chunks on the only slot, beta's
+    upload waits for it, the cut (3 x stall_s) hands it over; alpha resumes from its
+    offset and the round's sum is bit for bit that of two unbroken uploads."""
+    server, version, a, b, c = _sites(
+        tmp_path,
+        stop_after,
+        ("alpha", "beta", "gamma"),
+        rounds=1,
+        max_transfers=1,
+        transfers={"stall_s": 1.0},
+        strategy={"min_fit_clients": 2},
+    )
+    da, db = _delta(server, 1), _delta(server, 2)
+    first = a.header(1, num_examples=10, model_version=version)
+    release = threading.Event()
+
+    def silent() -> Iterator[pb.UpdateChunk]:
+        yield first
+        yield from chunk_messages(da.chunks(CHUNK))[:2]
+        release.wait(30)
+
+    call = a.stub.UploadUpdate.future(silent(), timeout=30)
+    try:
+        upload_id = dict(call.initial_metadata())[wire.UPLOAD_ID]
+        b.upload(
+            [b.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            call.result(timeout=10)
+    finally:
+        release.set()
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "the server cut the upload: no bytes moved from the site" in info.value.details()
+    [cut] = _audit(server, "transfer_cut")
+    assert (cut["site"], cut["direction"], cut["bytes"], cut["waiting"]) == ("alpha", "up", 32, 1)
+    offset, resumed = _resume(a, first, da, upload_id)
+    assert offset == 2 * CHUNK
+    assert resumed.result(timeout=10).bytes_received == da.nbytes
+    unbroken = WeightedSum(da.specs)
+    unbroken.add(db, 30.0)  # in the order they completed
+    unbroken.add(da, 10.0)
+    aggregate = server.coordinator.current.aggregate
+    assert aggregate.count == 2 and aggregate.total_weight == 40.0
+    for name, acc in aggregate.sums.items():
+        assert torch.equal(acc, unbroken.sums[name]), name
+    c.report_error(1, "no update from gamma this round")
+    assert server.wait(20) and server.coordinator.error is None

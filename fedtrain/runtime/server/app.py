@@ -200,8 +200,11 @@ class AggregationServer:
             cpu=self._cpu,
             max_sites=self.max_sites,
         )
-        #: Progress and stall lines of the transfers in flight, sampled once a second.
-        self.transfer_watch = TransferWatch(self.coordinator.links, config.transfers)
+        #: Progress and stall lines of the transfers in flight, sampled once a second;
+        #: a transfer idle too long is cut (`transfer_watch.IDLE_CUT_STALLS`).
+        self.transfer_watch = TransferWatch(
+            self.coordinator.links, config.transfers, self.servicer.cut_idle
+        )
         self._enforcing = threading.Lock()
         self._grpc: grpc.aio.Server | None = None
         self._local_status: LocalStatus | None = None

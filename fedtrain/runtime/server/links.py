@@ -17,10 +17,12 @@ it. Estimates only ever leave sites out; a failure to make one leaves nobody out
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 #: A site's figures are a moving average: one slow transfer (a busy moment) does not
 #: condemn a site, a lasting change shows within a few rounds.
@@ -81,7 +83,8 @@ class Watched:
 
     #: Bytes per second over the last `transfer_watch.RATE_WINDOW_S` (None: too early).
     bps: float | None
-    #: time.monotonic() when its byte count last grew (or it began).
+    #: time.monotonic() when its byte count last grew, the server last worked on it
+    #: (`TransferMeter.serving`), or it began: the site's silence starts here.
     last_moved: float
 
     def idle_s(self, now: float) -> float:
@@ -116,6 +119,13 @@ class TransferMeter:
         self.before = 0
         #: What `transfer_watch.TransferWatch` last saw of it (replaced whole, read anywhere).
         self.watched: Watched | None = None
+        #: Its streams doing the server's work now (encoding a download, journaling or
+        #: folding a chunk): the site is not silent then, the server is busy.
+        self.serving = 0
+        #: The handler tasks of its streams (the servicer's, on the loop), and why the
+        #: server cut them ("" while it has not: `transfer_watch.IDLE_CUT_STALLS`).
+        self.streams: set[Any] = set()
+        self.cut = ""
 
     @property
     def site(self) -> str:
@@ -136,6 +146,15 @@ class TransferMeter:
 
     def add(self, nbytes: int) -> None:
         self._added += nbytes
+
+    @contextlib.contextmanager
+    def on_server(self) -> Iterator[None]:
+        """The server works on the transfer meanwhile: its silence is not the site's."""
+        self.serving += 1
+        try:
+            yield
+        finally:
+            self.serving -= 1
 
     @property
     def nbytes(self) -> int:

@@ -24,7 +24,10 @@ the loop only moves bytes and never waits on a lock; `max_transfers` bounds the
 downloads and uploads moved at once, so journal memory and open files stay bounded
 however many sites there are. A site may spread a transfer over parallel streams
 (separate connections, a byte range each: `resumable.py`, `site/streams.py`); they
-share the transfer's one slot (`transfer_slots.py`).
+share the transfer's one slot (`transfer_slots.py`). A transfer that holds a slot and
+moves no byte for 3 x `transfers.stall_s` gives it up once another transfer waits
+(`cut_idle`, decided by `transfer_watch.py`'s once-a-second sample): its streams end
+with UNAVAILABLE, and the site resumes it like a broken one.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
 from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
+from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.links import TransferMeter
 from fedtrain.runtime.server.resumable import (
     HeldUpload,
@@ -72,6 +76,7 @@ from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.transfer_slots import TransferSlots
+from fedtrain.runtime.server.transfer_watch import IDLE_CUT_STALLS, describe
 from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
 from fedtrain.runtime.server.weights import WeightDecision, WeightPolicy, WeightRefused
 from fedtrain.task import fingerprint_mismatch
@@ -97,6 +102,12 @@ HEARTBEATS_PER_S = 50.0
 REPACE_FACTOR = 1.25
 #: A site refused for capacity waits about this long (with jitter) before it retries.
 CAPACITY_RETRY_S = 30.0
+#: Downloads of one session that the server cut (`cut_idle`) and whose end the site has
+#: not read yet, at most: gRPC keeps such a stream, and the chunk it was writing, until
+#: the site reads on or its connection closes, so a site that never reads could pile up
+#: one per cut. A site back from an outage has one (its old connection's, until the
+#: server's keepalive closes it), two after a second outage within that time.
+UNREAD_CUTS = 3
 
 
 class EndedEarly(FedtrainError):
@@ -653,8 +664,21 @@ class FedtrainServicer:
 
     async def DownloadModel(
         self, request: pb.ModelRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | Chunk | pb.ModelPiece]:
+    ) -> None:
+        """Write the model's manifest and chunks (`context.write`, not a generator: a
+        write the site does not read can then be cut by `cut_idle`, which a generator
+        blocked in gRPC's own write never sees)."""
         session = await self._session(request.session_token, context, "model download")
+        if len(session.unread_cuts) >= UNREAD_CUTS:
+            await self._deny(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "unread_cuts",
+                f"site {session.site!r}: {len(session.unread_cuts)} model downloads the server "
+                "cut for moving no bytes are still unread on this site's connections; read "
+                "them to their end (or cancel them) before downloading again",
+                site=session.site,
+            )
         model = await self._run(self.coordinator.model_for_download, session, request.version)
         if model is None:
             current = self.coordinator.global_model
@@ -692,6 +716,7 @@ class FedtrainServicer:
             )
         task = asyncio.current_task()
         session.streams.add(task)  # cancelled if the site goes away meanwhile
+        cut: TransferMeter | None = None
         try:
             # One slot for all of a session's downloads at a time, whatever they name:
             # keyed by what the site chooses (a version, a held reference) one site
@@ -699,66 +724,98 @@ class FedtrainServicer:
             key = session.token
             training = round_state is not None
             async with self._transfer(session, "down", key, training=training) as meter:
-                manifest, pieces = await self.downloads.prepare(
-                    model,
-                    encoded=self.downloads.serves(session.capabilities),
-                    current=model is self.coordinator.global_model,
-                    held=request.held_version,
-                    run=self._run,
-                    ranged=request.end > 0,
+                try:
+                    await self._send_model(context, session, request, model, round_state, meter)
+                except asyncio.CancelledError:
+                    if not meter.cut:
+                        raise
+                    cut = meter  # its slot is free already
+        finally:
+            session.streams.discard(task)
+        if cut is not None:
+            session.unread_cuts[cut] += 1  # until the site reads the status (UNREAD_CUTS)
+            try:
+                await _end_cut_stream(
+                    context,
+                    f"site {session.site!r}: the server cut this download of model "
+                    f"{model.version[:12]}: {cut.cut}. Continue it from the bytes received "
+                    "(ModelRequest.offset; the site daemon does so by itself while its "
+                    "instruction's deadline allows)",
                 )
-                end = min(request.end or manifest.total_bytes, manifest.total_bytes)
-                if not meter.total:  # the first of its streams: what the transfer moves
-                    meter.expect(manifest.total_bytes, 0 if request.end else request.offset)
-                if request.offset > end:
+            finally:
+                session.unread_cuts[cut] -= 1
+                if not session.unread_cuts[cut]:
+                    del session.unread_cuts[cut]
+
+    async def _send_model(
+        self,
+        context: grpc.aio.ServicerContext,
+        session: Session,
+        request: pb.ModelRequest,
+        model: GlobalModel,
+        round_state: RoundState | None,
+        meter: TransferMeter,
+    ) -> None:
+        """With the download's slot: its manifest, then the chunks of the request's range."""
+        with meter.on_server():  # encoding a version may take a while: not the site's
+            manifest, pieces = await self.downloads.prepare(
+                model,
+                encoded=self.downloads.serves(session.capabilities),
+                current=model is self.coordinator.global_model,
+                held=request.held_version,
+                run=self._run,
+                ranged=request.end > 0,
+            )
+        end = min(request.end or manifest.total_bytes, manifest.total_bytes)
+        if not meter.total:  # the first of its streams: what the transfer moves
+            meter.expect(manifest.total_bytes, 0 if request.end else request.offset)
+        if request.offset > end:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"site {session.site!r}: a download of bytes [{request.offset}, "
+                f"{end}), but this download of model {model.version[:12]} has "
+                f"{manifest.total_bytes} bytes",
+            )
+        await context.write(pb.ModelPiece(manifest=manifest))
+        position = 0  # where the next piece starts, in the download's bytes
+        for piece, size in pieces:
+            start, position = position, position + size
+            if start >= end:
+                break  # a parallel stream's range ends here
+            if start < request.offset:
+                # A resumed download (or a range that starts further on): the
+                # chunks before it are not sent. A single stream resumes at a
+                # chunk boundary; a range takes the chunks that start in it.
+                if not request.end and position > request.offset:
                     await _abort(
                         context,
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        f"site {session.site!r}: a download of bytes [{request.offset}, "
-                        f"{end}), but this download of model {model.version[:12]} has "
-                        f"{manifest.total_bytes} bytes",
+                        f"site {session.site!r}: a download from byte "
+                        f"{request.offset}, which is not a chunk boundary of this "
+                        "download; download the model again",
                     )
-                yield pb.ModelPiece(manifest=manifest)
-                position = 0  # where the next piece starts, in the download's bytes
-                for piece, size in pieces:
-                    start, position = position, position + size
-                    if start >= end:
-                        break  # a parallel stream's range ends here
-                    if start < request.offset:
-                        # A resumed download (or a range that starts further on): the
-                        # chunks before it are not sent. A single stream resumes at a
-                        # chunk boundary; a range takes the chunks that start in it.
-                        if not request.end and position > request.offset:
-                            await _abort(
-                                context,
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                f"site {session.site!r}: a download from byte "
-                                f"{request.offset}, which is not a chunk boundary of this "
-                                "download; download the model again",
-                            )
-                        continue
-                    if (
-                        round_state is not None
-                        and round_state.closed
-                        and self.coordinator.global_model.version != model.version
-                    ):
-                        # The round it was for is over and its model superseded: every
-                        # further byte is spent on a model the site can no longer train for
-                        # (a retried attempt trains from the same model: that one goes on).
-                        await _abort(
-                            context,
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"site {session.site!r}: round {round_state.round} closed and its "
-                            "model was superseded while it downloaded; download stopped (the "
-                            "site gets the next instruction)",
-                        )
-                    self.coordinator.transfers.add(sent=size)
-                    meter.add(size)
-                    session.touch()
-                    yield piece  # bytes or a Chunk: wire.serialize_stream_item
-                meter.whole = True
-        finally:
-            session.streams.discard(task)
+                continue
+            if (
+                round_state is not None
+                and round_state.closed
+                and self.coordinator.global_model.version != model.version
+            ):
+                # The round it was for is over and its model superseded: every
+                # further byte is spent on a model the site can no longer train for
+                # (a retried attempt trains from the same model: that one goes on).
+                await _abort(
+                    context,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"site {session.site!r}: round {round_state.round} closed and its "
+                    "model was superseded while it downloaded; download stopped (the "
+                    "site gets the next instruction)",
+                )
+            self.coordinator.transfers.add(sent=size)
+            meter.add(size)
+            session.touch()
+            await context.write(piece)  # bytes or a Chunk: wire.serialize_stream_item
+        meter.whole = True
 
     @contextlib.asynccontextmanager
     async def _transfer(
@@ -781,7 +838,12 @@ class FedtrainServicer:
             ) as meter:
                 session.queued -= 1
                 granted = True
-                yield meter
+                task = asyncio.current_task()
+                meter.streams.add(task)  # cut by `cut_idle`
+                try:
+                    yield meter
+                finally:
+                    meter.streams.discard(task)
         finally:
             if not granted:
                 session.queued -= 1
@@ -835,7 +897,7 @@ class FedtrainServicer:
                 if not meter.total:  # the first of its streams: what the transfer moves
                     meter.expect(held.sink.expected_bytes, held.offset)
                 whole = await self._stream_upload(
-                    context, state, session, header, held, request_iterator
+                    context, state, session, header, held, request_iterator, meter
                 )
                 meter.whole = whole
         except asyncio.CancelledError:  # e.g. the site went away while its upload waited
@@ -876,15 +938,18 @@ class FedtrainServicer:
         header: pb.UploadHeader,
         held: HeldUpload,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+        meter: TransferMeter,
     ) -> bool:
         """With a transfer slot: tell the site to go (and from which byte), receive the
         rest of the stream's range of the upload and fold it once whole (True: this
-        stream completed it); a broken stream leaves it held for a resume."""
+        stream completed it); a broken stream, or one cut idle (`cut_idle`), leaves it
+        held for a resume."""
         where = f"site {session.site!r}, round {header.round}"
         try:
-            lane, generation, offset, superseded = await self._run(
-                held.attach, asyncio.current_task(), header.range_start, header.range_end
-            )
+            with meter.on_server():
+                lane, generation, offset, superseded = await self._run(
+                    held.attach, asyncio.current_task(), header.range_start, header.range_end
+                )
         except Superseded:  # discarded (grace, round closed, site dropped) meanwhile
             await self._refuse(
                 context,
@@ -914,10 +979,10 @@ class FedtrainServicer:
         )
         try:
             return await self._receive(
-                state, session, header, held, lane, generation, request_iterator
+                state, session, header, held, lane, generation, request_iterator, meter
             )
         except (grpc.RpcError, asyncio.CancelledError, Superseded):
-            await self._broke_off(context, session, header, held, lane, generation)
+            await self._broke_off(context, session, header, held, lane, generation, meter.cut)
         except EndedEarly as exc:
             self._pause(session, header, held, lane, generation)
             await self._refuse(
@@ -953,20 +1018,23 @@ class FedtrainServicer:
         held: HeldUpload,
         lane: Lane,
         generation: int,
+        *,
+        quiet: bool = False,
     ) -> bool:
         """Keep an upload whose stream `generation` ended short (on the loop, not awaited:
         a cancelled handler may be cancelled again); False if another stream feeds its
-        range now or it was discarded."""
+        range now or it was discarded. `quiet`: the cut that ended it logged it."""
         if not held.detach(lane, generation):
             return False
-        log.warning(
-            "site %r, round %d: the upload stream broke off at byte %d; kept %gs for the "
-            "site to resume",
-            session.site,
-            header.round,
-            held.offset,
-            self.held.grace_s,
-        )
+        if not quiet:
+            log.warning(
+                "site %r, round %d: the upload stream broke off at byte %d; kept %gs for the "
+                "site to resume",
+                session.site,
+                header.round,
+                held.offset,
+                self.held.grace_s,
+            )
         self.audit.record(
             "upload_paused", site=session.site, round=header.round, offset=held.offset
         )
@@ -980,21 +1048,25 @@ class FedtrainServicer:
         held: HeldUpload,
         lane: Lane,
         generation: int,
+        cut: str = "",
     ) -> NoReturn:
         """The stream broke, was superseded by the site's resume, or was cut here (the
-        site is away, or was dropped): keep the upload if it is still the site's, and
-        tell the site, if it can still hear us, what to do."""
+        site is away, was dropped, or `cut` idle): keep the upload if it is still the
+        site's, and tell the site, if it can still hear us, what to do."""
         where = f"site {session.site!r}, round {header.round}"
-        if not self._pause(session, header, held, lane, generation) and held.discarded:
+        paused = self._pause(session, header, held, lane, generation, quiet=bool(cut))
+        if not paused and held.discarded:
             await _end_cut_stream(
                 context,
                 f"{where}: the upload was discarded ({held.discarded}); do not resume it",
                 grpc.StatusCode.ABORTED,
             )
+        why = f"the server cut the upload: {cut}" if cut else "the upload stream was cut"
         await _end_cut_stream(
             context,
-            f"{where}: the upload stream was cut after {held.offset} bytes; the server keeps "
-            f"them for {self.held.grace_s:g}s: resume it",
+            f"{where}: {why}. The server keeps the {held.offset} bytes it received for "
+            f"{self.held.grace_s:g}s (upload_grace_s): resume the upload to send the rest "
+            "(the site daemon does so by itself)",
         )
 
     def _new_upload(
@@ -1101,6 +1173,51 @@ class FedtrainServicer:
             if loop is not None:
                 loop.call_soon_threadsafe(task.cancel)
 
+    def cut_idle(self, meter: TransferMeter, idle_s: float) -> bool:
+        """A listener of `TransferWatch` (on the loop): a transfer that holds a slot and
+        moved no byte for `transfer_watch.idle_cut_s` gives it back as soon as another
+        transfer waits for one (True: cut), and each of its streams ends with
+        UNAVAILABLE and what to do (an upload is kept `upload_grace_s` for a resume, a
+        download continues from its offset: a site that was only in an outage loses
+        nothing). Logged once and audited `transfer_cut`."""
+        waiting = self.transfer_slots.waiting
+        if not waiting:
+            return False  # nobody needs the slot: a slow chunk may still be on its way
+        if not self.transfer_slots.free(meter, TransferMeter.close):
+            return True  # it ended meanwhile
+        moved = "from" if meter.direction == "up" else "to"
+        meter.cut = (
+            f"no bytes moved {moved} the site for {idle_s:.0f}s while it held one of the "
+            f"server's max_transfers slots ({IDLE_CUT_STALLS:g} x transfers.stall_s)"
+        )
+        kept = (
+            f"its {meter.done} bytes are kept {self.held.grace_s:g}s for it to resume"
+            if meter.direction == "up"
+            else "it may continue from the bytes it received"
+        )
+        log.warning(
+            "transfer cut: no bytes %s site %r for %.0fs (%s) while %d transfer(s) waited "
+            "for a slot; its slot is free for them, %s",
+            moved,
+            meter.site,
+            idle_s,
+            describe(meter),
+            waiting,
+            kept,
+        )
+        self.audit.record(
+            "transfer_cut",
+            site=meter.site,
+            direction=meter.direction,
+            idle_s=round(idle_s, 1),
+            bytes=meter.done,
+            total_bytes=meter.total,
+            waiting=waiting,
+        )
+        for task in list(meter.streams):
+            task.cancel()
+        return True
+
     async def _weigh(
         self,
         state: RoundState | BufferedRounds,
@@ -1176,6 +1293,7 @@ class FedtrainServicer:
         lane: Lane,
         generation: int,
         request_iterator: AsyncIterator[pb.UpdateChunk | Chunk],
+        meter: TransferMeter,
     ) -> bool:
         """Validate and journal the chunks of a stream's range as they arrive (after
         those the server held already), and once the update is whole fold a plain
@@ -1221,7 +1339,8 @@ class FedtrainServicer:
             self.coordinator.transfers.settle(accepted=held.offset)
 
         async for chunk in self._chunks(session, header, request_iterator):
-            await self._run(journal, chunk)
+            with meter.on_server():  # the pool's queue is not the site's silence
+                await self._run(journal, chunk)
         if not lane.done:
             # gRPC may end a cut stream's requests as if the site had closed them, so an
             # upload that ends short is kept for a resume, like one that broke off.
@@ -1232,9 +1351,10 @@ class FedtrainServicer:
                 f"server keeps them for upload_grace_s ({self.held.grace_s:g}s): resume the "
                 "upload to send the rest"
             )
-        if not await self._run(held.finish, lane, generation):
-            return False  # the other streams' ranges are still on their way
-        await self._run(commit)
+        with meter.on_server():
+            if not await self._run(held.finish, lane, generation):
+                return False  # the other streams' ranges are still on their way
+            await self._run(commit)
         return True
 
     async def _chunks(

@@ -17,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,9 @@ class Session:
     handler: Any = field(default=None, repr=False)
     #: Handler tasks of its downloads in progress (cancelled when it is detached).
     streams: set[Any] = field(default_factory=set, repr=False)
+    #: Its downloads the server cut for idleness, with their streams whose end (the
+    #: status, behind the bytes already on their way) the site has not read yet.
+    unread_cuts: Counter[Any] = field(default_factory=Counter, repr=False)
     #: Upload bytes received over this session (what its link moved: `links.py`).
     bytes_received: int = 0
     #: Its transfers waiting for one of the server's `max_transfers` slots (the wait is

@@ -37,6 +37,7 @@ class TransferSlots(Generic[_V]):
         self.limit = limit
         self._semaphore: asyncio.Semaphore | None = None
         self._shared: dict[Hashable, _Shared[_V]] = {}
+        self._waiting = 0  # transfers whose slot is not granted yet
 
     @property
     def semaphore(self) -> asyncio.Semaphore:
@@ -49,6 +50,12 @@ class TransferSlots(Generic[_V]):
         """Transfers holding or waiting for a slot."""
         return len(self._shared)
 
+    @property
+    def waiting(self) -> int:
+        """Transfers waiting for a slot while none is free (0 when one is free: the next
+        one takes it at once)."""
+        return self._waiting if self.semaphore.locked() else 0
+
     @contextlib.asynccontextmanager
     async def hold(
         self, key: Hashable, opened: Callable[[], _V], closed: Callable[[_V], None]
@@ -60,6 +67,8 @@ class TransferSlots(Generic[_V]):
         shared = self._shared.get(key)
         if shared is None:
             shared = self._shared[key] = _Shared(asyncio.ensure_future(self.semaphore.acquire()))
+            self._waiting += 1
+            shared.acquired.add_done_callback(self._waited)
         shared.users += 1
         try:
             await asyncio.shield(shared.acquired)
@@ -68,9 +77,24 @@ class TransferSlots(Generic[_V]):
             yield shared.value[0]
         finally:
             shared.users -= 1
-            if shared.users == 0:
+            if shared.users == 0 and self._shared.get(key) is shared:  # not `free`d
                 del self._shared[key]
                 self._give_back(shared, closed)
+
+    def free(self, value: _V, closed: Callable[[_V], None]) -> bool:
+        """Give back the slot of the transfer whose streams share `value` now, before its
+        streams have unwound (the server cut them: their ending may wait on the site);
+        a stream of the same transfer that comes later waits for a slot again. False:
+        no transfer holds `value` (it ended meanwhile)."""
+        for key, shared in self._shared.items():
+            if shared.value and shared.value[0] is value:
+                del self._shared[key]
+                self._give_back(shared, closed)
+                return True
+        return False
+
+    def _waited(self, _: asyncio.Future[bool]) -> None:
+        self._waiting -= 1  # granted, or the wait was given up
 
     def _give_back(self, shared: _Shared[_V], closed: Callable[[_V], None]) -> None:
         if shared.acquired.cancel():  # still waiting: the semaphore takes the wait back
