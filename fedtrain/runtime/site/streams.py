@@ -8,34 +8,47 @@ about K times that until they fill the link. gRPC multiplexes every call of a ch
 over one connection, so each stream has a channel (a connection) of its own.
 
 A transfer's bytes are cut into ranges, several per stream, that the streams take one
-after another from a shared queue: a flow that a burst of losses slowed down takes
-fewer ranges, instead of the whole transfer waiting for its fixed share. Uploads
+after another as they get free: a flow that a burst of losses slowed down takes fewer
+ranges, instead of the whole transfer waiting for its fixed share. Uploads
 use the server's resumable addressing (`resumable.py` there): the first range opens
 the upload and learns its id, every other range joins it (UploadHeader.resume_id
 and range_start/range_end), and a stream that breaks resumes only its own range.
 Downloads ask for byte ranges of the same download (ModelRequest.offset/end); the
 chunks of all streams go into one `StateAssembler`, which refuses any byte twice.
 
-How many streams (`transfer_streams` in site.toml): the site's choice; 0 (automatic)
-is one stream for now. Measured on the emulated 100 Mbit/s, 40 ms links
-(benchmarks/RESULTS.md "WAN: parallel streams"): at 1% loss under cubic 32 / 64
-streams reach 58% / 68% of the line rate where one reaches 3%, but on a clean link they
-cost (79% with 32 against 89% with one), one BBR stream beats them at 1% loss (84%),
-and with many streams the server's download-rate estimate
-(`links.py`) reads high by what the streams' buffers hold. No fixed count serves both
-links, so the automatic choice stays at one until it adapts to the measured rate
-(probe more streams while they raise it). A stream costs the server a connection (a
-file descriptor, ~50 KB) while it transfers; the streams of one transfer share one of
-the server's `max_transfers` slots.
+How many streams (`transfer_streams` in site.toml): the site's choice, or 0
+(automatic), which adapts to the link per transfer and per direction. Measured on the
+emulated 100 Mbit/s, 40 ms links (benchmarks/RESULTS.md "WAN: parallel streams"): at 1%
+loss under cubic 32 / 64 streams reach 58% / 68% of the line rate where one reaches 3%,
+but on a clean link they cost (79% with 32 against 89% with one), and with many streams
+the server's download-rate estimate (`links.py`) reads high by what the streams'
+buffers hold. No fixed count serves both links, so `StreamCount` starts from one and
+doubles the count while the streams raise the rate the transfer moves its bytes at by
+more than GAIN, measured after a warm-up (a new connection's handshake and slow start
+are not "no gain"); when a doubling does not pay, the streams added last finish their
+range and take no other. A clean link so keeps one stream (after a short probe of a
+second), a lossy one gets many. The next transfer in the same direction starts from
+half the count this one stayed at. Transfers under PROBE_MIN_BYTES are not probed.
+
+Ranges are cut as the streams ask for them (`RangeCutter`): 1 / (RANGES_PER_STREAM x
+streams) of what is left, so that streams added later find some, and a stream left
+alone takes the rest in one call. Each stream keeps LANES calls in flight on its
+connection, so the round trips between ranges (an upload's go-ahead and receipt, a
+download's request) leave no link time idle. The server accepts at most
+wire.MAX_UPLOAD_RANGES ranges per upload: no range is shorter than 1 / that of it.
+
+A stream costs the server a connection (a file descriptor, ~50 KB) while it
+transfers; the streams of one transfer share one of the server's `max_transfers` slots.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -46,12 +59,28 @@ from fedtrain.tensors import Chunk, torch_dtype
 
 _T = TypeVar("_T")
 
-#: Ranges per stream: streams that run fast take more of them.
+#: Ranges per stream: streams that run fast take more of them (a range is cut to
+#: 1 / (RANGES_PER_STREAM x streams) of what is left, so they shrink towards the end).
 RANGES_PER_STREAM = 4
+#: Calls in flight on each stream's connection: while one waits for its go-ahead, its
+#: manifest or its receipt (a round trip each), the other keeps the link busy.
+LANES = 2
 #: Upload chunks are at most this large with parallel streams (the server accepts any
 #: chunk up to its chunk_bytes), so that there are enough ranges to share out; the
 #: server cuts a ranged download's chunks as finely.
 PARALLEL_CHUNK_BYTES = wire.RANGE_CHUNK_BYTES
+#: The automatic choice probes more streams only for transfers at least this large: a
+#: smaller one is over before a probe could tell (and costs a connection for nothing).
+PROBE_MIN_BYTES = 4 << 20
+#: After the count of streams changes, the rate is measured only from this long on: a
+#: new connection's handshake (with TLS its join) and slow start are not "no gain".
+WARMUP_S = 0.3
+#: ...over at least this long and MEASURE_CHUNKS chunks (a chunk arrives whole, so a
+#: slow stream's rate needs several to be seen at all).
+MEASURE_S = 0.3
+MEASURE_CHUNKS = 4
+#: More streams are kept only if they raise the aggregate rate by more than this.
+GAIN = 0.2
 
 
 class UpdateChunks:
@@ -83,12 +112,147 @@ class UpdateChunks:
         return pieces if self._convert is None else map(self._convert, pieces)
 
 
-def stream_count(configured: int, nbytes: int) -> int:
-    """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice
-    (one: see the module doc); a transfer of one chunk or less has nothing to share."""
-    if configured <= 0 or nbytes <= PARALLEL_CHUNK_BYTES:
-        return 1
-    return configured
+class StreamCount:
+    """How many streams a transfer runs: a fixed count, or (automatic) one that grows
+    while more streams raise the rate the transfer moves its bytes at.
+
+    Adaptive: from `start`, after each change the aggregate rate is measured (past
+    WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement doubles
+    the count; a later one doubles it again if the rate rose by more than GAIN over the
+    best so far, else the count goes back to that best one and stays (the streams
+    added last finish the range they hold and take no other). `limit` caps it. The
+    bytes are those the streams moved: a download's read off its connections, an
+    upload's taken by gRPC (HTTP/2 flow control takes a chunk only as the server reads
+    the earlier ones, so past the warm-up it is the rate the server receives)."""
+
+    def __init__(
+        self,
+        start: int,
+        limit: int,
+        *,
+        adaptive: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = max(1, limit)
+        self.adaptive = adaptive
+        self.current = max(1, min(start, self.limit))
+        self.settled = not adaptive or self.current >= self.limit
+        #: Notified when `current` changes (run_ranges starts the new streams).
+        self.changed = threading.Condition()
+        #: The counts tried, in order (the last is where it stayed).
+        self.tried = [self.current]
+        self._clock = clock
+        self._changed_at = clock()
+        self._mark: tuple[float, int] | None = None  # (when, bytes moved): the window's start
+        self._chunks = 0
+        self._moved = 0
+        self._best = (self.current, 0.0)  # (count, its rate)
+
+    @classmethod
+    def fixed(cls, count: int) -> StreamCount:
+        return cls(count, count, adaptive=False)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the transfer may use more than one stream (ranges, not one call)."""
+        return self.limit > 1
+
+    def moved(self, nbytes: int) -> None:
+        """A stream moved a chunk of `nbytes`: measure, and perhaps change the count."""
+        with self.changed:
+            self._moved += nbytes
+            if self.settled:
+                return
+            now = self._clock()
+            if self._mark is None:
+                if now - self._changed_at >= WARMUP_S:
+                    self._mark, self._chunks = (now, self._moved), 0
+                return
+            self._chunks += 1
+            since, before = self._mark
+            if now - since < MEASURE_S or self._chunks < MEASURE_CHUNKS:
+                return
+            self._decide((self._moved - before) / (now - since), now)
+
+    def _decide(self, rate: float, now: float) -> None:
+        best_count, best_rate = self._best
+        if self.current != best_count and rate <= best_rate * (1 + GAIN):
+            # the streams added last did not pay: back to the best count, for good
+            self.current, self.settled = best_count, True
+        else:
+            self._best = (self.current, rate)
+            if self.current >= self.limit:
+                self.settled = True
+                return
+            self.current = min(2 * self.current, self.limit)
+        self.tried.append(self.current)
+        self._changed_at, self._mark = now, None
+        self.changed.notify_all()
+
+    def describe(self) -> str:
+        return " -> ".join(str(n) for n in self.tried)
+
+
+def stream_plan(configured: int, nbytes: int, start: int = 1) -> StreamCount:
+    """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice,
+    which starts at `start` (see StreamCount; one, for a transfer smaller than
+    PROBE_MIN_BYTES); a transfer of one chunk or less has nothing to share."""
+    if nbytes <= PARALLEL_CHUNK_BYTES or (configured <= 0 and nbytes < PROBE_MIN_BYTES):
+        return StreamCount.fixed(1)
+    if configured > 0:
+        return StreamCount.fixed(configured)
+    return StreamCount(start, wire.MAX_TRANSFER_STREAMS)
+
+
+class RangeCutter:
+    """The bytes [start, end) of a transfer, cut into ranges as the streams ask for
+    them: 1 / (RANGES_PER_STREAM x streams) of what is left (so that streams added
+    later find ranges to take, and the last ones are small), at least `least` bytes,
+    ending at one of `boundaries` (an upload's chunk ends; None: any byte). A single
+    stream that is to stay alone takes all that is left in one call. With `first_end`,
+    the first range ends there."""
+
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        boundaries: Sequence[int] | None = None,
+        least: int = 1,
+        first_end: int = 0,
+    ) -> None:
+        self.end = end
+        self._next = start
+        self._boundaries = boundaries
+        self._least = max(1, least)
+        self._first_end = first_end  # (a download's first range, asked for before its size)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def over_chunks(cls, sizes: Sequence[int]) -> RangeCutter:
+        """An upload's: ranges end at chunk boundaries, and there are at most
+        wire.MAX_UPLOAD_RANGES of them (the server refuses more)."""
+        ends = list(itertools.accumulate(sizes))
+        total = ends[-1] if ends else 0
+        return cls(0, total, ends, -(-total // wire.MAX_UPLOAD_RANGES))
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= self.end
+
+    def take(self, count: StreamCount) -> tuple[int, int] | None:
+        """The next range for a stream (None: every byte is handed out)."""
+        with self._lock:
+            left = self.end - self._next
+            if left <= 0:
+                return None
+            alone = count.settled and count.current == 1
+            size = left if alone else left // (RANGES_PER_STREAM * count.current)
+            stop = min(self.end, self._first_end or self._next + max(self._least, size))
+            self._first_end = 0
+            if self._boundaries is not None:
+                stop = self._boundaries[bisect.bisect_left(self._boundaries, stop)]
+            byte_range, self._next = (self._next, stop), stop
+            return byte_range
 
 
 @dataclass
@@ -113,44 +277,76 @@ class SharedUpload:
 
 
 def run_ranges(
-    ranges: Sequence[tuple[int, int]],
-    streams: int,
+    cutter: RangeCutter,
+    count: StreamCount,
     send: Callable[[int, tuple[int, int]], _T],
     upload: SharedUpload | None = None,
     stop: threading.Event | None = None,
 ) -> list[_T]:
-    """`send(stream, range)` for every range, on `streams` threads that take the ranges
-    in turn; the first range goes first, and with `upload` the others start once its
-    id is known. Returns the results in range order; the first failure is raised once
-    every stream has stopped (none takes a new range after it, nor after `stop`)."""
-    pending: queue.SimpleQueue[int] = queue.SimpleQueue()
-    for index in range(1, len(ranges)):
-        pending.put(index)
-    results: dict[int, _T] = {}
+    """`send(stream, range)` for every range `cutter` hands out, `LANES` at a time on
+    each of the `count.current` streams (more are started as the count grows; a stream
+    the count dropped takes no new range). The first range goes first, and with
+    `upload` the others start once its id is known. Returns the results in range order;
+    the first failure is raised once every stream has stopped (none takes a new range
+    after it, nor after `stop`)."""
+    results: dict[tuple[int, int], _T] = {}
+    errors: list[BaseException] = []
     failed = upload.failed if upload is not None else (stop or threading.Event())
+    first = cutter.take(count)
+    if first is None:
+        return []
 
-    def stream(number: int) -> None:
+    def lane(number: int, byte_range: tuple[int, int] | None) -> None:
+        stream = number // LANES
         try:
-            if number == 0:
-                results[0] = send(0, ranges[0])
-            elif upload is not None and not upload.wait():
+            if byte_range is None and upload is not None and not upload.wait():
                 return
             while not failed.is_set():
-                try:
-                    index = pending.get_nowait()
-                except queue.Empty:
+                if byte_range is None and stream < count.current:  # else: retired
+                    byte_range = cutter.take(count)
+                if byte_range is None:
                     return
-                results[index] = send(number, ranges[index])
-        except BaseException:
+                results[byte_range] = send(stream, byte_range)
+                byte_range = None
+        except BaseException as exc:
+            errors.append(exc)
             failed.set()
-            raise
+        finally:
+            with count.changed:
+                count.changed.notify_all()
 
-    count = max(1, min(streams, len(ranges)))
-    with ThreadPoolExecutor(count, thread_name_prefix="fedtrain-stream") as pool:
-        futures: list[Future[None]] = [pool.submit(stream, n) for n in range(count)]
-    for future in futures:
-        future.result()
-    return [results[i] for i in range(len(ranges))]
+    lanes: list[threading.Thread] = []
+
+    def start(byte_range: tuple[int, int] | None = None) -> None:
+        thread = threading.Thread(
+            target=lane, args=(len(lanes), byte_range), name="fedtrain-stream", daemon=True
+        )
+        lanes.append(thread)
+        thread.start()
+
+    start(first)
+    while True:
+        with count.changed:
+            count.changed.wait_for(
+                lambda: (
+                    failed.is_set()
+                    or cutter.exhausted
+                    or count.current * LANES > len(lanes)
+                    or not any(t.is_alive() for t in lanes)
+                ),
+                timeout=1.0,
+            )
+        if failed.is_set() or cutter.exhausted or not any(t.is_alive() for t in lanes):
+            break
+        while len(lanes) < count.current * LANES:
+            start()
+    for thread in lanes:
+        thread.join()
+    if errors:
+        raise errors[0]
+    if not cutter.exhausted:  # (every lane ended without a failure: cannot happen)
+        raise ProtocolError("a transfer's streams stopped before its last range")
+    return [results[r] for r in sorted(results)]
 
 
 def completed(receipts: Sequence[pb.UploadReceipt]) -> pb.UploadReceipt:
@@ -162,15 +358,6 @@ def completed(receipts: Sequence[pb.UploadReceipt]) -> pb.UploadReceipt:
             "complete (exactly one should be)"
         )
     return whole[0]
-
-
-def byte_ranges(start: int, end: int, count: int) -> list[tuple[int, int]]:
-    """[start, end) cut into `count` ranges of about equal size (a download's: the
-    server sends each range's chunks that start in it, so no boundary is needed)."""
-    size = end - start
-    count = max(1, min(count, size))
-    cuts = [start + size * i // count for i in range(count + 1)]
-    return list(itertools.pairwise(cuts))
 
 
 def chunk_positions(manifest: pb.Manifest) -> dict[str, int]:
@@ -191,13 +378,13 @@ _DONE = object()
 
 
 def merged(
-    ranges: Sequence[tuple[int, int]],
-    streams: int,
+    cutter: RangeCutter,
+    count: StreamCount,
     fetch: Callable[[int, tuple[int, int]], Iterator[Chunk]],
 ) -> Iterator[Chunk]:
-    """The chunks of every range, fetched by `streams` threads (`fetch(stream, range)`
-    yields one range's chunks), in the order they arrive; a stream's failure is
-    raised here."""
+    """The chunks of every range of `cutter`, fetched on `count` streams
+    (`fetch(stream, range)` yields one range's chunks), in the order they arrive; a
+    stream's failure is raised here."""
     arrived: queue.SimpleQueue[object] = queue.SimpleQueue()
     stop = threading.Event()  # the reader gave up: no stream starts another range
 
@@ -207,7 +394,7 @@ def merged(
 
     def run() -> None:
         try:
-            run_ranges(ranges, streams, send, stop=stop)
+            run_ranges(cutter, count, send, stop=stop)
         except BaseException as exc:
             arrived.put(exc)
         arrived.put(_DONE)

@@ -1,0 +1,164 @@
+"""The automatic count of parallel streams (`StreamCount`) and the ranges it shares out
+(`RangeCutter`, `run_ranges`), against a fake clock and links whose rate is a function
+of the streams: no network, so the decisions are exact."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from fedtrain.runtime import wire
+from fedtrain.runtime.site.streams import (
+    LANES,
+    MEASURE_S,
+    WARMUP_S,
+    RangeCutter,
+    StreamCount,
+    run_ranges,
+)
+
+CHUNK = 256 * 1024
+FLOW = 0.44e6  # one cubic flow at 1% loss and 40 ms, B/s
+LINE = 12.5e6  # 100 Mbit/s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], float], nbytes: int):
+    """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`."""
+    changed_at, streams = 0.0, count.current
+    for _ in range(nbytes // CHUNK):
+        if count.current != streams:
+            changed_at, streams = clock.now, count.current
+        clock.advance(CHUNK / rate(streams, clock.now - changed_at))
+        count.moved(CHUNK)
+
+
+def test_on_a_lossy_link_streams_double_while_they_raise_the_rate_then_stop() -> None:
+    """Every flow adds its share until the link is full (32 flows here): the count
+    doubles to 64, which gains nothing, and goes back to 32."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 1.1), 200 << 20)
+    assert count.tried == [1, 2, 4, 8, 16, 32, 64, 32]
+    assert count.settled and count.current == 32
+
+
+def test_on_a_clean_link_one_stream_stays_alone() -> None:
+    """One flow fills the link: a second gains nothing, and goes (after its range)."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    _transfer(count, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 40 << 20)
+    assert count.tried == [1, 2, 1] and count.settled
+
+
+def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
+    """The streams just added move nothing for most of the warm-up (handshake, slow
+    start): measured from the change on, two streams would look no better than one."""
+    clock = Clock()
+    count = StreamCount(1, 4, clock=clock)
+
+    def rate(k: int, since: float) -> float:
+        return FLOW * (k if since >= WARMUP_S * 0.9 or k == 1 else k // 2)
+
+    _transfer(count, clock, rate, 40 << 20)
+    assert count.tried == [1, 2, 4] and count.settled  # the limit
+
+
+def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
+    """At ~0.6 s a chunk, a window of MEASURE_S would hold one chunk or none."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    slow = 0.4e6
+    _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
+    assert count.tried == [1]  # still measuring: too few chunks to tell
+    _transfer(count, clock, lambda k, _: slow, 4 * CHUNK)
+    assert count.tried == [1, 2]
+    assert clock.now > WARMUP_S + MEASURE_S
+
+
+def test_a_fixed_count_and_one_started_at_the_limit_never_change() -> None:
+    clock = Clock()
+    for count in (StreamCount(8, 8, adaptive=False, clock=clock), StreamCount(64, 64, clock=clock)):
+        _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)
+        assert count.tried == [count.current] and count.settled
+
+
+def test_an_uploads_ranges_end_at_chunks_and_stay_within_what_the_server_accepts() -> None:
+    sizes = [CHUNK] * 400 + [1000]
+    cutter = RangeCutter.over_chunks(sizes)
+    count = StreamCount.fixed(64)
+    ranges = list(iter(lambda: cutter.take(count), None))
+    ends = set(itertools.accumulate(sizes))
+    assert len(ranges) <= wire.MAX_UPLOAD_RANGES
+    assert all(end in ends for _, end in ranges)
+    assert ranges[0][0] == 0 and ranges[-1][1] == sum(sizes)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_ranges_shrink_as_the_transfer_ends_and_one_stream_left_alone_takes_the_rest() -> None:
+    cutter = RangeCutter(0, 40 << 20)
+    probing = StreamCount(1, 64)
+    first, second = cutter.take(probing), cutter.take(probing)
+    assert first is not None and second is not None
+    assert second[1] - second[0] < first[1] - first[0]  # room left for streams added later
+    alone = StreamCount.fixed(1)
+    assert cutter.take(alone) == (second[1], 40 << 20)
+    assert cutter.take(alone) is None and cutter.exhausted
+
+
+def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:
+    clock = Clock()
+    count = StreamCount(1, 8, clock=clock)
+    total = 64 << 20
+    cutter = RangeCutter.over_chunks([CHUNK] * (total // CHUNK))
+    used: list[tuple[int, tuple[int, int]]] = []
+    lock = threading.Lock()
+
+    def send(stream: int, byte_range: tuple[int, int]) -> int:
+        start, end = byte_range
+        for _ in range(start, end, CHUNK):
+            with lock:  # every stream adds its share: a lossy link
+                clock.advance(CHUNK / (count.current * FLOW))
+                count.moved(CHUNK)
+            time.sleep(0.001)  # (real time too, so that the new streams' threads start)
+        with lock:
+            used.append((stream, byte_range))
+        return start
+
+    results = run_ranges(cutter, count, send)
+    assert count.tried[-1] == 8 and max(stream for stream, _ in used) == 7
+    assert results == sorted(start for _, (start, _) in used)
+    covered = sorted(byte_range for _, byte_range in used)
+    assert covered[0][0] == 0 and covered[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+
+
+def test_a_failed_stream_stops_the_others_and_is_raised() -> None:
+    count = StreamCount.fixed(2)
+    cutter = RangeCutter(0, 1 << 20)
+    sent: list[int] = []
+
+    def send(stream: int, byte_range: tuple[int, int]) -> None:
+        sent.append(stream)
+        if len(sent) == 2:
+            raise ConnectionError("the link broke")
+
+    with pytest.raises(ConnectionError, match="the link broke"):
+        run_ranges(cutter, count, send)
+    assert len(sent) <= 2 * LANES  # no stream took a new range after the failure
