@@ -554,8 +554,8 @@ class SiteConfig:
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
         "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
         "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
-        "better. 0: automatic, per transfer and direction: from one stream, doubled while "
-        "more streams raise the measured rate by > 20%, up to 64; a transfer under 4 MiB "
+        "better. 0: automatic, per transfer and direction: from one stream, four times more "
+        "while more streams raise the measured rate by > 20%, up to 64; a transfer under 4 MiB "
         "uses one (site/streams.py; benchmarks/RESULTS.md, 'WAN: parallel streams'). "
         "Masked (secure aggregation) uploads always use one.",
     )

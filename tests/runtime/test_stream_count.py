@@ -13,6 +13,7 @@ import pytest
 
 from fedtrain.runtime import wire
 from fedtrain.runtime.site.streams import (
+    GROWTH,
     LANES,
     MEASURE_S,
     WARMUP_S,
@@ -49,35 +50,38 @@ def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], flo
         count.moved(CHUNK)
 
 
-def test_on_a_lossy_link_streams_double_while_they_raise_the_rate_then_stop() -> None:
-    """Every flow adds its share until the link is full (32 flows here): the count
-    doubles to 64, which gains nothing, and goes back to 32."""
+def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() -> None:
+    """Every flow adds its share until the link is full (about 17 flows here): 64 gain
+    nothing over 16, and the count goes back to 16."""
     clock = Clock()
     count = StreamCount(1, 64, clock=clock)
-    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 1.1), 200 << 20)
-    assert count.tried == [1, 2, 4, 8, 16, 32, 64, 32]
-    assert count.settled and count.current == 32
+    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 200 << 20)
+    assert count.tried == [1, 4, 16, 64, 16]
+    assert count.settled and count.current == 16
+    full = StreamCount(1, 64, clock=clock)  # a link 64 flows do not fill: all 64 stay
+    _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
+    assert full.tried == [1, 4, 16, 64] and full.settled
 
 
 def test_on_a_clean_link_one_stream_stays_alone() -> None:
-    """One flow fills the link: a second gains nothing, and goes (after its range)."""
+    """One flow fills the link: more gain nothing, and go (after their range)."""
     clock = Clock()
     count = StreamCount(1, 64, clock=clock)
     _transfer(count, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 40 << 20)
-    assert count.tried == [1, 2, 1] and count.settled
+    assert count.tried == [1, 4, 1] and count.settled
 
 
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     """The streams just added move nothing for most of the warm-up (handshake, slow
-    start): measured from the change on, two streams would look no better than one."""
+    start): measured from the change on, four streams would look no better than one."""
     clock = Clock()
-    count = StreamCount(1, 4, clock=clock)
+    count = StreamCount(1, 16, clock=clock)
 
     def rate(k: int, since: float) -> float:
-        return FLOW * (k if since >= WARMUP_S * 0.9 or k == 1 else k // 2)
+        return FLOW * (k if since >= WARMUP_S * 0.9 else k // GROWTH or 1)
 
     _transfer(count, clock, rate, 40 << 20)
-    assert count.tried == [1, 2, 4] and count.settled  # the limit
+    assert count.tried == [1, 4, 16] and count.settled  # the limit
 
 
 def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
@@ -88,7 +92,7 @@ def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
     _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
     assert count.tried == [1]  # still measuring: too few chunks to tell
     _transfer(count, clock, lambda k, _: slow, 4 * CHUNK)
-    assert count.tried == [1, 2]
+    assert count.tried == [1, GROWTH]
     assert clock.now > WARMUP_S + MEASURE_S
 
 

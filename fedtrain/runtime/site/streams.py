@@ -23,12 +23,12 @@ loss under cubic 32 / 64 streams reach 58% / 68% of the line rate where one reac
 but on a clean link they cost (79% with 32 against 89% with one), and with many streams
 the server's download-rate estimate (`links.py`) reads high by what the streams'
 buffers hold. No fixed count serves both links, so `StreamCount` starts from one and
-doubles the count while the streams raise the rate the transfer moves its bytes at by
-more than GAIN, measured after a warm-up (a new connection's handshake and slow start
+multiplies the count by GROWTH (4) while the streams raise the rate the transfer moves
+its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake and slow start
 are not "no gain"); when a doubling does not pay, the streams added last finish their
-range and take no other. A clean link so keeps one stream (after a short probe of a
-second), a lossy one gets many. The next transfer in the same direction starts from
-half the count this one stayed at. Transfers under PROBE_MIN_BYTES are not probed.
+range and take no other. A clean link so keeps one stream (after a probe of four
+for about a second), a lossy one gets many. The next transfer in the same direction
+starts from half the count this one stayed at. Transfers under PROBE_MIN_BYTES are not probed.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): 1 / (RANGES_PER_STREAM x
 streams) of what is left, so that streams added later find some, and a stream left
@@ -74,11 +74,16 @@ PARALLEL_CHUNK_BYTES = wire.RANGE_CHUNK_BYTES
 PROBE_MIN_BYTES = 4 << 20
 #: After the count of streams changes, the rate is measured only from this long on: a
 #: new connection's handshake (with TLS its join) and slow start are not "no gain".
-WARMUP_S = 0.3
+WARMUP_S = 0.5
 #: ...over at least this long and MEASURE_CHUNKS chunks (a chunk arrives whole, so a
-#: slow stream's rate needs several to be seen at all).
-MEASURE_S = 0.3
+#: slow stream's rate needs several to be seen at all; a lossy flow's rate swings from
+#: one loss to the next, so a window spans a few dozen round trips).
+MEASURE_S = 0.7
 MEASURE_CHUNKS = 4
+#: The count grows by this factor at each step: a lossy link's gain (about the factor)
+#: then stands far above the noise of a measurement, a clean link's (none) far below,
+#: and 64 streams are three steps away.
+GROWTH = 4
 #: More streams are kept only if they raise the aggregate rate by more than this.
 GAIN = 0.2
 
@@ -117,9 +122,9 @@ class StreamCount:
     while more streams raise the rate the transfer moves its bytes at.
 
     Adaptive: from `start`, after each change the aggregate rate is measured (past
-    WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement doubles
-    the count; a later one doubles it again if the rate rose by more than GAIN over the
-    best so far, else the count goes back to that best one and stays (the streams
+    WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement grows
+    the count GROWTH times; a later one grows it again if the rate rose by more than
+    GAIN over the best so far, else the count goes back to that best one and stays (the streams
     added last finish the range they hold and take no other). `limit` caps it. The
     bytes are those the streams moved: a download's read off its connections, an
     upload's taken by gRPC (HTTP/2 flow control takes a chunk only as the server reads
@@ -184,7 +189,7 @@ class StreamCount:
             if self.current >= self.limit:
                 self.settled = True
                 return
-            self.current = min(2 * self.current, self.limit)
+            self.current = min(GROWTH * self.current, self.limit)
         self.tried.append(self.current)
         self._changed_at, self._mark = now, None
         self.changed.notify_all()
