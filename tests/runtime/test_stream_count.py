@@ -16,6 +16,7 @@ from fedtrain.runtime.site.streams import (
     GROWTH,
     LANES,
     MEASURE_S,
+    RANGE_S,
     WARMUP_S,
     RangeCutter,
     StreamCount,
@@ -118,12 +119,26 @@ def test_an_uploads_ranges_end_at_chunks_and_stay_within_what_the_server_accepts
 def test_ranges_shrink_as_the_transfer_ends_and_one_stream_left_alone_takes_the_rest() -> None:
     cutter = RangeCutter(0, 40 << 20)
     probing = StreamCount(1, 64)
-    first, second = cutter.take(probing), cutter.take(probing)
+    first, second = (cutter.take(probing, want=LINE * RANGE_S) for _ in range(2))
     assert first is not None and second is not None
     assert second[1] - second[0] < first[1] - first[0]  # room left for streams added later
     alone = StreamCount.fixed(1)
     assert cutter.take(alone) == (second[1], 40 << 20)
     assert cutter.take(alone) is None and cutter.exhausted
+
+
+def test_a_stream_takes_what_it_moves_in_range_s_so_a_slow_one_never_holds_the_end() -> None:
+    """Sized only to the streams' count, the second range of a 40 MB transfer went to a
+    lossy link's single flow as 10 MB (23 s at 0.44 MB/s), and the transfer waited for
+    it long after the streams added meanwhile had moved the rest."""
+    cutter = RangeCutter.over_chunks([CHUNK] * 160)
+    count = StreamCount(1, 64)
+    first = cutter.take(count)  # no rate known yet: the least (one chunk here)
+    assert first == (0, CHUNK)
+    slow = cutter.take(count, want=FLOW * RANGE_S)
+    assert slow is not None and slow[1] - slow[0] == 2 * CHUNK  # 0.44 MB, to a chunk
+    fast = cutter.take(count, want=LINE * RANGE_S)
+    assert fast is not None and fast[1] - fast[0] == 40 * CHUNK  # capped: 1/4 of the 157 left
 
 
 def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:

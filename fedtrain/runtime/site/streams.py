@@ -24,18 +24,21 @@ but on a clean link they cost (79% with 32 against 89% with one), and with many 
 the server's download-rate estimate (`links.py`) reads high by what the streams'
 buffers hold. No fixed count serves both links, so `StreamCount` starts from one and
 multiplies the count by GROWTH (4) while the streams raise the rate the transfer moves
-its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake and slow start
-are not "no gain"); when a doubling does not pay, the streams added last finish their
-range and take no other. A clean link so keeps one stream (after a probe of four
-for about a second), a lossy one gets many. The next transfer in the same direction
-starts from half the count this one stayed at. Transfers under PROBE_MIN_BYTES are not probed.
+its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake
+and slow start are not "no gain"); when a step does not pay, the streams it added
+finish their range and take no other. A clean link so keeps one stream (after a probe
+of four for about a second), a lossy one gets many. The next transfer in the same
+direction starts from half the count this one stayed at. Transfers under
+PROBE_MIN_BYTES are not probed.
 
-Ranges are cut as the streams ask for them (`RangeCutter`): 1 / (RANGES_PER_STREAM x
-streams) of what is left, so that streams added later find some, and a stream left
-alone takes the rest in one call. Each stream keeps LANES calls in flight on its
-connection, so the round trips between ranges (an upload's go-ahead and receipt, a
-download's request) leave no link time idle. The server accepts at most
-wire.MAX_UPLOAD_RANGES ranges per upload: no range is shorter than 1 / that of it.
+Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
+moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
+of what is left, so that streams added later find some and no slow stream is left
+holding a large range at the end; a stream left alone takes the rest in one call.
+Each stream keeps LANES calls in flight on its connection, so the round trips between
+ranges (an upload's go-ahead and receipt, a download's request) leave no link time
+idle. The server accepts at most wire.MAX_UPLOAD_RANGES ranges per upload: no range is
+shorter than 1 / that of it.
 
 A stream costs the server a connection (a file descriptor, ~50 KB) while it
 transfers; the streams of one transfer share one of the server's `max_transfers` slots.
@@ -80,6 +83,10 @@ WARMUP_S = 0.5
 #: one loss to the next, so a window spans a few dozen round trips).
 MEASURE_S = 0.7
 MEASURE_CHUNKS = 4
+#: A stream's next range is what it moved in this long at its last range's rate: long
+#: enough that the round trips between ranges are few, short enough that a range cut
+#: for a fast stream early does not leave the end of the transfer to a slow one.
+RANGE_S = 1.0
 #: The count grows by this factor at each step: a lossy link's gain (about the factor)
 #: then stands far above the noise of a measurement, a clean link's (none) far below,
 #: and 64 streams are three steps away.
@@ -211,8 +218,9 @@ def stream_plan(configured: int, nbytes: int, start: int = 1) -> StreamCount:
 
 class RangeCutter:
     """The bytes [start, end) of a transfer, cut into ranges as the streams ask for
-    them: 1 / (RANGES_PER_STREAM x streams) of what is left (so that streams added
-    later find ranges to take, and the last ones are small), at least `least` bytes,
+    them: what the asking stream moves in RANGE_S, at most 1 / (RANGES_PER_STREAM x
+    streams) of what is left (so that streams added later find ranges to take, and no
+    slow stream holds the transfer's last seconds), at least `least` bytes,
     ending at one of `boundaries` (an upload's chunk ends; None: any byte). A single
     stream that is to stay alone takes all that is left in one call. With `first_end`,
     the first range ends there."""
@@ -244,14 +252,19 @@ class RangeCutter:
     def exhausted(self) -> bool:
         return self._next >= self.end
 
-    def take(self, count: StreamCount) -> tuple[int, int] | None:
-        """The next range for a stream (None: every byte is handed out)."""
+    def take(self, count: StreamCount, want: float | None = None) -> tuple[int, int] | None:
+        """The next range for a stream that would move `want` bytes in RANGE_S at the
+        rate its last range went (None: its first, `least`); None: every byte is
+        handed out."""
         with self._lock:
             left = self.end - self._next
             if left <= 0:
                 return None
-            alone = count.settled and count.current == 1
-            size = left if alone else left // (RANGES_PER_STREAM * count.current)
+            if count.settled and count.current == 1:
+                size = left
+            else:
+                size = left // (RANGES_PER_STREAM * count.current)
+                size = min(size, int(want) if want is not None else self._least)
             stop = min(self.end, self._first_end or self._next + max(self._least, size))
             self._first_end = 0
             if self._boundaries is not None:
@@ -306,12 +319,16 @@ def run_ranges(
         try:
             if byte_range is None and upload is not None and not upload.wait():
                 return
+            want: float | None = None  # bytes this lane moves in RANGE_S
             while not failed.is_set():
                 if byte_range is None and stream < count.current:  # else: retired
-                    byte_range = cutter.take(count)
+                    byte_range = cutter.take(count, want)
                 if byte_range is None:
                     return
+                began = time.monotonic()
                 results[byte_range] = send(stream, byte_range)
+                took = max(time.monotonic() - began, 1e-3)
+                want = (byte_range[1] - byte_range[0]) / took * RANGE_S
                 byte_range = None
         except BaseException as exc:
             errors.append(exc)
