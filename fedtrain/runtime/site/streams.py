@@ -26,15 +26,17 @@ buffers hold. No fixed count serves both links, so `StreamCount` starts from one
 multiplies the count by GROWTH (4) while the streams raise the rate the transfer moves
 its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake
 and slow start are not "no gain"); when a step does not pay, the streams it added
-finish their range and take no other. A clean link so keeps one stream (after a probe
-of four for about a second), a lossy one gets many. The next transfer in the same
+finish their range and take no other; a count that stopped is probed again every
+REPROBE_S (what limited it, e.g. a server busy with other sites, may have gone). A
+clean link so keeps one stream (after a probe of four for about a second), a lossy one
+gets many. The next transfer in the same
 direction starts from half the count this one stayed at. Transfers under
 PROBE_MIN_BYTES are not probed.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
 of what is left, so that streams added later find some and no slow stream is left
-holding a large range at the end; a stream left alone takes the rest in one call.
+holding a large range at the end.
 Each stream keeps LANES calls in flight on its connection, so the round trips between
 ranges (an upload's go-ahead and receipt, a download's request) leave no link time
 idle. The server accepts at most wire.MAX_UPLOAD_RANGES ranges per upload: no range is
@@ -87,10 +89,17 @@ MEASURE_CHUNKS = 4
 #: enough that the round trips between ranges are few, short enough that a range cut
 #: for a fast stream early does not leave the end of the transfer to a slow one.
 RANGE_S = 1.0
+#: A stream's first range, before its rate is known: large enough that one stream on a
+#: fast link is not held back by round trips while the count is probed, small enough for
+#: a lossy link's single flow (a few seconds at 3 Mbit/s).
+FIRST_RANGE_BYTES = 1 << 20
 #: The count grows by this factor at each step: a lossy link's gain (about the factor)
 #: then stands far above the noise of a measurement, a clean link's (none) far below,
 #: and 64 streams are three steps away.
 GROWTH = 4
+#: A count that stopped growing is probed again after this long: what limited it may
+#: have gone (other sites' transfers that loaded the server ended).
+REPROBE_S = 5.0
 #: More streams are kept only if they raise the aggregate rate by more than this.
 GAIN = 0.2
 
@@ -131,8 +140,9 @@ class StreamCount:
     Adaptive: from `start`, after each change the aggregate rate is measured (past
     WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement grows
     the count GROWTH times; a later one grows it again if the rate rose by more than
-    GAIN over the best so far, else the count goes back to that best one and stays (the streams
-    added last finish the range they hold and take no other). `limit` caps it. The
+    GAIN over the best so far, else the count goes back to that best one (the streams
+    added last finish the range they hold and take no other) and stays for REPROBE_S.
+    `limit` caps it. The
     bytes are those the streams moved: a download's read off its connections, an
     upload's taken by gRPC (HTTP/2 flow control takes a chunk only as the server reads
     the earlier ones, so past the warm-up it is the rate the server receives)."""
@@ -173,9 +183,14 @@ class StreamCount:
         """A stream moved a chunk of `nbytes`: measure, and perhaps change the count."""
         with self.changed:
             self._moved += nbytes
-            if self.settled:
+            if not self.adaptive or (self.current >= self.limit and self.settled):
                 return
             now = self._clock()
+            if self.settled:
+                if now - self._changed_at < REPROBE_S:
+                    return
+                self.settled, self._best = False, (self.current, 0.0)  # probe again
+                self._changed_at, self._mark = now, None
             if self._mark is None:
                 if now - self._changed_at >= WARMUP_S:
                     self._mark, self._chunks = (now, self._moved), 0
@@ -221,8 +236,8 @@ class RangeCutter:
     them: what the asking stream moves in RANGE_S, at most 1 / (RANGES_PER_STREAM x
     streams) of what is left (so that streams added later find ranges to take, and no
     slow stream holds the transfer's last seconds), at least `least` bytes,
-    ending at one of `boundaries` (an upload's chunk ends; None: any byte). A single
-    stream that is to stay alone takes all that is left in one call. With `first_end`,
+    ending at one of `boundaries` (an upload's chunk ends; None: any byte). One fixed
+    stream takes all that is left in one call. With `first_end`,
     the first range ends there."""
 
     def __init__(
@@ -254,17 +269,17 @@ class RangeCutter:
 
     def take(self, count: StreamCount, want: float | None = None) -> tuple[int, int] | None:
         """The next range for a stream that would move `want` bytes in RANGE_S at the
-        rate its last range went (None: its first, `least`); None: every byte is
-        handed out."""
+        rate its last range went (None: its first, FIRST_RANGE_BYTES); None: every
+        byte is handed out."""
         with self._lock:
             left = self.end - self._next
             if left <= 0:
                 return None
-            if count.settled and count.current == 1:
+            if not count.adaptive and count.current == 1:
                 size = left
             else:
                 size = left // (RANGES_PER_STREAM * count.current)
-                size = min(size, int(want) if want is not None else self._least)
+                size = min(size, int(want) if want is not None else FIRST_RANGE_BYTES)
             stop = min(self.end, self._first_end or self._next + max(self._least, size))
             self._first_end = 0
             if self._boundaries is not None:
