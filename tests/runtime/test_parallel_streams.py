@@ -298,7 +298,7 @@ def test_a_download_in_ranges_reassembles_the_model_exactly(tmp_path, stop_after
 def test_the_site_chooses_the_stream_count_and_a_single_chunk_travels_alone() -> None:
     automatic = stream_plan(0, 40 << 20)
     assert automatic.adaptive and automatic.current == 1 and automatic.limit == 64
-    assert stream_plan(0, 40 << 20, start=16).current == 16  # where the last one stayed
+    assert stream_plan(0, 40 << 20, start=(16, None)).current == 16  # the last one's say
     assert not stream_plan(0, PROBE_MIN_BYTES - 1).parallel  # small: never probed
     fixed = stream_plan(8, 40 << 20)  # site.toml's choice
     assert (fixed.current, fixed.adaptive) == (8, False)
@@ -384,7 +384,7 @@ def test_the_automatic_count_grows_only_where_more_streams_move_more_and_ends_bi
     """A 6 MB model through a slow link, `transfer_streams = 0`: where each connection
     is paced on its own (one flow's share of a lossy link) the streams multiply; where
     they share the link's pace (a clean link one flow fills) more streams are tried
-    and given up. Either way the run ends with the model of one plain stream."""
+    and given up (and, once one stream moves as fast again, not tried again). Either way the run ends with the model of one plain stream."""
     caplog.set_level(logging.INFO, logger="fedtrain.runtime.site.daemon")
     big = 1_500_000  # 6 MB: past PROBE_MIN_BYTES
     assert big * 4 >= PROBE_MIN_BYTES
@@ -403,7 +403,7 @@ def test_the_automatic_count_grows_only_where_more_streams_move_more_and_ends_bi
 
     alone = _flat_run(tmp_path / "clean", stop_after, 0, num_params=big, link=clean)
     counts = _automatic_counts(caplog.text)  # (a transfer may end before it decides)
-    assert len(counts) == 4 and all(tried in ([1, 4, 1], [1, 4]) for tried in counts), counts
+    assert len(counts) == 4 and all(t in ([1, 4, 1], [1, 4], [1]) for t in counts), counts
     assert [1, 4, 1] in counts
     single = _flat_run(tmp_path / "one", stop_after, 1, num_params=big)
     assert grown.equal(single) and alone.equal(single)

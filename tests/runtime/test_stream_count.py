@@ -86,6 +86,21 @@ def test_on_a_clean_link_one_stream_stays_alone() -> None:
     assert count.tried == [1, 4, 1] and count.settled
 
 
+def test_after_a_probe_found_nothing_the_next_transfer_probes_only_if_it_moves_slower() -> None:
+    clock = Clock()
+    first = StreamCount(1, 64, clock=clock)
+    _transfer(first, clock, lambda k, _: LINE, 40 << 20)
+    start = first.next_start()
+    assert first.tried == [1, 4, 1] and start == (1, pytest.approx(LINE))
+    second = StreamCount(start[0], 64, known=start[1], clock=clock)
+    _transfer(second, clock, lambda k, _: LINE * 0.9, 40 << 20)  # about as fast: no probe
+    assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE * 0.9))
+    lossy = StreamCount(1, 64, known=LINE * 0.9, clock=clock)  # the link turned lossy
+    _transfer(lossy, clock, lambda k, _: k * FLOW, 40 << 20)
+    assert lossy.tried[:3] == [1, 4, 16]
+    assert lossy.next_start() == (lossy.current // 2, None)
+
+
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     """The streams just added move nothing for most of the warm-up (handshake, slow
     start): measured from the change on, four streams would look no better than one."""

@@ -195,9 +195,13 @@ class Link:
     up: threading.Event = field(default_factory=threading.Event)
     #: Makes a connection of its own for a parallel stream (`StreamConnection`).
     dial: Callable[[Link], StreamConnection] | None = None
-    #: The parallel streams' connections beyond the control stream's (`stream_channel`).
-    extra_channels: list[StreamConnection] = field(default_factory=list)
+    #: The parallel streams' connections beyond the control stream's (`stream_channel`;
+    #: None: not dialled yet).
+    extra_channels: list[StreamConnection | None] = field(default_factory=list)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: One per parallel stream: its connection is dialled once, beside the others' (a
+    #: count grown from 16 to 64 dials 48 at once, not one TLS join after another).
+    _dial_locks: dict[int, threading.Lock] = field(default_factory=dict)
 
     def stream_channel(self, number: int) -> grpc.Channel:
         """The channel of parallel stream `number`: the control stream's for 0, else one
@@ -209,11 +213,22 @@ class Link:
             return self.channel
         with self._channels_lock:
             while len(self.extra_channels) < number:
-                self.extra_channels.append(self._dial())
-            connection = self.extra_channels[number - 1]
-            if not connection.alive():
+                self.extra_channels.append(None)
+            dialling = self._dial_locks.setdefault(number, threading.Lock())
+        with dialling:
+            with self._channels_lock:
+                held = self.extra_channels
+                connection = held[number - 1] if len(held) >= number else None
+            if connection is not None and connection.alive():
+                return connection.channel
+            if connection is not None:
                 connection.close()
-                connection = self.extra_channels[number - 1] = self._dial()
+            connection = self._dial()
+            with self._channels_lock:
+                if len(self.extra_channels) < number:  # the session's were closed meanwhile
+                    connection.close()
+                    return self.channel
+                self.extra_channels[number - 1] = connection
             return connection.channel
 
     def _dial(self) -> StreamConnection:
@@ -229,7 +244,8 @@ class Link:
         with self._channels_lock:
             connections, self.extra_channels = self.extra_channels, []
         for connection in connections:
-            connection.close()
+            if connection is not None:
+                connection.close()
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -282,7 +298,10 @@ class SiteDaemon:
         #: returns and the CLI exits non-zero, so torchrun can restart the site.
         self.fatal: str | None = None
         #: Per direction, the count of parallel streams the automatic choice starts at.
-        self._stream_start = {"down": 1, "up": 1}
+        self._stream_start: dict[str, tuple[int, float | None]] = {
+            "down": (1, None),
+            "up": (1, None),
+        }
         self.device = resolve_device(config.device)
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
@@ -1042,16 +1061,17 @@ class SiteDaemon:
 
     def _stream_plan(self, link: Link, nbytes: int, direction: str) -> StreamCount:
         """Parallel streams for a transfer of `nbytes` on `link` (`transfer_streams`);
-        the automatic choice starts in each direction at half the count the previous
-        transfer stayed at (a lossy link's many streams need not be probed for anew
-        every time; a link that got better sheds them over a few transfers)."""
+        the automatic choice starts in each direction where the previous transfer said
+        (`StreamCount.next_start`: a lossy link's many streams need not be probed for
+        anew every time, a link that got better sheds them over a few transfers, a clean
+        one is not probed while one stream moves as fast as before)."""
         if link.dial is None:
             return StreamCount.fixed(1)
         return stream_plan(self.config.transfer_streams, nbytes, self._stream_start[direction])
 
     def _streams_used(self, count: StreamCount, direction: str, what: str) -> None:
         if count.adaptive:
-            self._stream_start[direction] = max(1, count.current // 2)
+            self._stream_start[direction] = count.next_start()
             log.info("%s over %s streams (automatic)", what, count.describe())
 
     def _upload(

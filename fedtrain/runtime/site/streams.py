@@ -29,9 +29,10 @@ and slow start are not "no gain"); when a step does not pay, the streams it adde
 finish their range and take no other; a count that stopped is probed again every
 REPROBE_S (what limited it, e.g. a server busy with other sites, may have gone). A
 clean link so keeps one stream (after a probe of four for about a second), a lossy one
-gets many. The next transfer in the same
-direction starts from half the count this one stayed at. Transfers under
-PROBE_MIN_BYTES are not probed.
+gets many. The next transfer in the same direction starts from half the count this
+one stayed at; one that stayed at one stream tells the next the rate it had, and the
+next probes only if it moves slower (a clean link pays the probe once, not every
+transfer). Transfers under PROBE_MIN_BYTES are not probed.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -153,6 +154,7 @@ class StreamCount:
         limit: int,
         *,
         adaptive: bool = True,
+        known: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limit = max(1, limit)
@@ -169,6 +171,10 @@ class StreamCount:
         self._chunks = 0
         self._moved = 0
         self._best = (self.current, 0.0)  # (count, its rate)
+        #: The rate the previous transfer had at `start` streams when more gained
+        #: nothing: reached again, this one does not probe (see `next_start`).
+        self._known = known
+        self._skipped = False
 
     @classmethod
     def fixed(cls, count: int) -> StreamCount:
@@ -203,6 +209,11 @@ class StreamCount:
 
     def _decide(self, rate: float, now: float) -> None:
         best_count, best_rate = self._best
+        known, self._known = self._known, None
+        if known is not None and rate >= known * (1 - GAIN):  # as before: no probe
+            self._best, self.settled, self._skipped = (self.current, rate), True, True
+            self._changed_at = now
+            return
         if self.current != best_count and rate <= best_rate * (1 + GAIN):
             # the streams added last did not pay: back to the best count, for good
             self.current, self.settled = best_count, True
@@ -216,19 +227,32 @@ class StreamCount:
         self._changed_at, self._mark = now, None
         self.changed.notify_all()
 
+    def next_start(self) -> tuple[int, float | None]:
+        """Where the next transfer in this direction starts (its `start`, `known`): at
+        half the count this one stayed at; at one stream, when more gained nothing (or
+        were not tried, as before), with the rate one had: the next does not probe
+        again while one stream moves about as fast (a clean link pays no probe each
+        transfer, and a link that turned lossy is probed at once)."""
+        count, rate = self._best
+        if self.current == 1 == count and rate > 0 and (len(self.tried) > 1 or self._skipped):
+            return 1, rate
+        return max(1, self.current // 2), None
+
     def describe(self) -> str:
         return " -> ".join(str(n) for n in self.tried)
 
 
-def stream_plan(configured: int, nbytes: int, start: int = 1) -> StreamCount:
+def stream_plan(
+    configured: int, nbytes: int, start: tuple[int, float | None] = (1, None)
+) -> StreamCount:
     """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice,
-    which starts at `start` (see StreamCount; one, for a transfer smaller than
-    PROBE_MIN_BYTES); a transfer of one chunk or less has nothing to share."""
+    which starts at `start` (the previous transfer's `next_start`; one, for a transfer
+    smaller than PROBE_MIN_BYTES); a transfer of one chunk or less has nothing to share."""
     if nbytes <= PARALLEL_CHUNK_BYTES or (configured <= 0 and nbytes < PROBE_MIN_BYTES):
         return StreamCount.fixed(1)
     if configured > 0:
         return StreamCount.fixed(configured)
-    return StreamCount(start, wire.MAX_TRANSFER_STREAMS)
+    return StreamCount(start[0], wire.MAX_TRANSFER_STREAMS, known=start[1])
 
 
 class RangeCutter:
