@@ -555,7 +555,7 @@ class SiteConfig:
         "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
         "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
         "better. 0: automatic, per transfer and direction: from one stream, four times more "
-        "while more streams raise the measured rate by > 20%, up to 64; a transfer under 4 MiB "
+        "while more streams raise the measured rate by > 50%, up to 64; a transfer under 4 MiB "
         "uses one (site/streams.py; benchmarks/RESULTS.md, 'WAN: parallel streams'). "
         "Masked (secure aggregation) uploads always use one.",
     )

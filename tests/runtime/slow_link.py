@@ -24,6 +24,12 @@ from fedtrain.runtime.demo import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 PIECE = 16 * 1024
+#: What the slow site's link holds in flight per connection (`buffer_bytes`): about a
+#: real link's window, not the megabytes loopback sockets grow to (the server would
+#: count them as moved: a site probing parallel streams would look four times as fast).
+LINK_BUFFER_BYTES = 64 * 1024
+#: How far behind its schedule a connection may fall and still catch up (see `_pipe`).
+SLACK_S = 0.05
 
 
 class SlowLink:
@@ -109,7 +115,9 @@ class SlowLink:
             while data := await reader.read(self._piece(direction)):
                 now = self._loop.time()
                 rate = self._rate(direction)
-                done = max(now, free[direction]) + len(data) / rate
+                # (a connection late by the proxy's own delays catches up by SLACK_S: on
+                # a busy machine one connection would use only part of the link)
+                done = max(now - SLACK_S, free[direction]) + len(data) / rate
                 free[direction] = done
                 await asyncio.sleep(done - now)
                 writer.write(data)
@@ -125,7 +133,7 @@ def fast_and_slow(
     root: Path, task_options: dict[str, Any], rate: float, **server: Any
 ) -> Iterator[tuple[Deployment, SlowLink]]:
     """A `FlatTask` deployment (TLS): sites fast-a and fast-b dial the server, site slow
-    dials it through a `SlowLink` at `rate`; all started. The round needs 2 of the 3."""
+    dials it through a `SlowLink` at `rate` (LINK_BUFFER_BYTES in flight); all started. The round needs 2 of the 3."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # the sites and the server import benchmarks.flat_task
     with (
@@ -137,7 +145,7 @@ def fast_and_slow(
             strategy={"min_fit_clients": 2, "min_available_clients": 3},
             **server,
         ) as dep,
-        SlowLink(dep.port, rate=rate) as link,
+        SlowLink(dep.port, rate=rate, buffer_bytes=LINK_BUFFER_BYTES) as link,
     ):
         dep.start_server()
         for name in ("fast-a", "fast-b"):

@@ -189,3 +189,29 @@ def test_a_site_whose_link_cannot_make_the_deadline_is_skipped_and_audited(
     assert started[2] == started[3] == ["fast-a", "fast-b"]  # nothing sent its way
     assert [m["round"] for m in dep.metrics()] == [1, 2, 3]
     assert "site 'slow' skipped: estimated" in dep.log("server")
+
+
+def test_the_ranges_of_a_download_over_parallel_streams_are_measured_as_one_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each range's call ends on the server once its bytes are in gRPC's buffers, and
+    the site asks for the next only when it has read them: measured one by one, a site
+    on a 2 MB/s link looked like megabytes in milliseconds (the slow-site skip never
+    skipped), and a range's meter took its bytes for the model's size."""
+    from fedtrain.runtime.server import links as links_module
+
+    clock = Clock()
+    monkeypatch.setattr(links_module.time, "monotonic", clock)
+    links = LinkEstimates()
+    for _ in range(8):  # 8 ranges of 2 MB, one a second
+        meter = links.meter("slow", "down")
+        meter.expect(40 * MB)
+        meter.add(2 * MB)
+        clock.now += 0.002
+        meter.completed()
+        assert not meter.whole  # a range, not the download
+        meter.close()
+        clock.now += 1.0
+    estimate = links.estimate("slow", 40 * MB, None)
+    assert estimate is not None and estimate.down_bps == pytest.approx(16 * MB / 7.016)
+    assert links.plan_round(["slow", "fast"], 8.0, 40 * MB, None, enough=1) != {}

@@ -384,7 +384,8 @@ def test_the_automatic_count_grows_only_where_more_streams_move_more_and_ends_bi
     """A 6 MB model through a slow link, `transfer_streams = 0`: where each connection
     is paced on its own (one flow's share of a lossy link) the streams multiply; where
     they share the link's pace (a clean link one flow fills) more streams are tried
-    and given up (and, once one stream moves as fast again, not tried again). Either way the run ends with the model of one plain stream."""
+    and given up (and, while one stream moves as fast, not tried again). Either way
+    the run ends with the model of one plain stream."""
     caplog.set_level(logging.INFO, logger="fedtrain.runtime.site.daemon")
     big = 1_500_000  # 6 MB: past PROBE_MIN_BYTES
     assert big * 4 >= PROBE_MIN_BYTES

@@ -756,7 +756,7 @@ class FedtrainServicer:
                     meter.add(size)
                     session.touch()
                     yield piece  # bytes or a Chunk: wire.serialize_stream_item
-                meter.whole = True
+                meter.completed()
         finally:
             session.streams.discard(task)
 
@@ -837,7 +837,8 @@ class FedtrainServicer:
                 whole = await self._stream_upload(
                     context, state, session, header, held, request_iterator
                 )
-                meter.whole = whole
+                if whole:
+                    meter.completed()
         except asyncio.CancelledError:  # e.g. the site went away while its upload waited
             held.abandoned_before_start()
             raise

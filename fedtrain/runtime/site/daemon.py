@@ -1072,7 +1072,7 @@ class SiteDaemon:
     def _streams_used(self, count: StreamCount, direction: str, what: str) -> None:
         if count.adaptive:
             self._stream_start[direction] = count.next_start()
-            log.info("%s over %s streams (automatic)", what, count.describe())
+            log.info("%s over %s", what, count.describe())
 
     def _upload(
         self,
