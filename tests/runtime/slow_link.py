@@ -133,7 +133,8 @@ def fast_and_slow(
     root: Path, task_options: dict[str, Any], rate: float, **server: Any
 ) -> Iterator[tuple[Deployment, SlowLink]]:
     """A `FlatTask` deployment (TLS): sites fast-a and fast-b dial the server, site slow
-    dials it through a `SlowLink` at `rate` (LINK_BUFFER_BYTES in flight); all started. The round needs 2 of the 3."""
+    dials it through a `SlowLink` at `rate` (LINK_BUFFER_BYTES in flight); all started.
+    The round needs 2 of the 3."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # the sites and the server import benchmarks.flat_task
     with (
@@ -145,7 +146,7 @@ def fast_and_slow(
             strategy={"min_fit_clients": 2, "min_available_clients": 3},
             **server,
         ) as dep,
-        SlowLink(dep.port, rate=rate, buffer_bytes=LINK_BUFFER_BYTES) as link,
+        SlowLink(dep.port, rate=rate) as link,
     ):
         dep.start_server()
         for name in ("fast-a", "fast-b"):

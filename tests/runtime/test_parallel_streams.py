@@ -372,7 +372,7 @@ def test_site_daemons_over_parallel_streams_end_with_the_model_of_one_stream(
 
 def _automatic_counts(log_text: str) -> list[list[int]]:
     """The counts each automatic transfer tried, from the daemon's log."""
-    found = re.findall(r"over ([0-9 >-]+) streams \(automatic\)", log_text)
+    found = re.findall(r"over ([0-9 >-]+) streams \(automatic", log_text)
     return [[int(n) for n in counts.split(" -> ")] for counts in found]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 #: A site's figures are a moving average: one slow transfer (a busy moment) does not
@@ -34,12 +34,11 @@ LIVE_MEASURED_S = 1.0
 #: moves no bytes, so without this it could never show that its link got better
 #: (an outage ended, a line was upgraded); it then tries a round again.
 FORGET_AFTER_S = 1800.0
-#: Transfers of one site and direction that follow each other within this long are
-#: measured as one: the ranges of parallel streams (a range's call ends here as soon as
+#: Meters of one transfer (`TransferMeter.transfer`) that follow each other within this
+#: long are measured as one: the ranges of parallel streams (a range's call ends here as soon as
 #: its bytes are in gRPC's buffers, long before the site has read them, and the site
 #: asks for its next range only once it has, seconds later on a slow link; measured
-#: alone, each looked like megabytes moved in milliseconds). A site's separate
-#: transfers in one direction are a training round apart.
+#: alone, each looked like megabytes moved in milliseconds).
 SERIES_GAP_S = 10.0
 #: Rounds in a row a site may be skipped before the operator is told what to change.
 SKIPS_BEFORE_WARNING = 3
@@ -70,6 +69,7 @@ class _Series:
     #: The smoothed rate before the series began: each new part replaces the series'
     #: contribution instead of adding another.
     before: float | None
+    transfer: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,13 @@ class TransferMeter:
         direction: str,
         counted: Callable[[], int] | None,
         training: bool,
+        transfer: Hashable = None,
     ) -> None:
         self._links, self._site, self._direction = links, site, direction
         self._counted, self.training = counted, training
+        #: What the site transfers (a model version, an upload's id): meters of the same
+        #: one in a row are measured as one (`LinkEstimates.record`).
+        self.transfer = transfer
         self.started = time.monotonic()
         self._added = 0
         self.whole = False
@@ -166,11 +170,10 @@ class TransferMeter:
         return nbytes / seconds if seconds >= LIVE_MEASURED_S and nbytes > 0 else None
 
     def completed(self) -> None:
-        """The transfer went through: its size is known if this meter counted all of
-        it. One reopened between two ranges of parallel streams (none was open for a
-        moment) counted only the rest: its bytes give a rate, not the transfer's size
-        (taken for it, a 40 MB download a site moves in 20 s looked like 1 MB in 0.5 s)."""
-        self.whole = self.total > 0 and self.nbytes >= self.total
+        """The transfer (or a range of it on a parallel stream) went through: its size
+        is `total` (what this meter counted may be only a range's: one is reopened
+        between two ranges when none was open for a moment)."""
+        self.whole = True
 
     def close(self) -> None:
         self._links.record(
@@ -180,6 +183,8 @@ class TransferMeter:
             time.monotonic() - self.started,
             whole=self.whole,
             training=self.training,
+            transfer=self.transfer,
+            size=self.total,
         )
         self._links.forget(self)
 
@@ -200,10 +205,12 @@ class LinkEstimates:
         counted: Callable[[], int] | None = None,
         *,
         training: bool = True,
+        transfer: Hashable = None,
     ) -> TransferMeter:
         """`direction`: "down" (a model download) or "up" (an update upload);
-        `training`: part of a training round (an evaluation's download is not)."""
-        meter = TransferMeter(self, site, direction, counted, training)
+        `training`: part of a training round (an evaluation's download is not);
+        `transfer`: what it moves (see TransferMeter.transfer)."""
+        meter = TransferMeter(self, site, direction, counted, training, transfer)
         with self._lock:
             self._live[(site, direction)] = meter
         return meter
@@ -240,8 +247,12 @@ class LinkEstimates:
         *,
         whole: bool,
         training: bool = True,
+        transfer: Hashable = None,
+        size: int = 0,
     ) -> None:
-        """One finished (or cut off) transfer of `nbytes` in `seconds`."""
+        """One finished (or cut off) transfer of `nbytes` in `seconds` (when `whole`,
+        of `size` bytes in all, default `nbytes`); one that continues `transfer` (its
+        ranges on parallel streams) is measured with it."""
         with self._lock:
             link = self._live_link(site)
             if training or not link.measured_at:  # only training keeps figures fresh
@@ -249,13 +260,18 @@ class LinkEstimates:
             now = time.monotonic()
             series = self._series.get((site, direction))
             gap = now - seconds - series.ended if series is not None else -1.0
-            if series is not None and -1e-3 <= gap <= SERIES_GAP_S:  # follows it
+            if (
+                series is not None
+                and transfer is not None
+                and series.transfer == transfer
+                and -1e-3 <= gap <= SERIES_GAP_S
+            ):
                 series.nbytes += nbytes
                 series.ended = now
             else:
                 before = link.down_bps if direction == "down" else link.up_bps
                 series = self._series[(site, direction)] = _Series(
-                    now - seconds, now, nbytes, before
+                    now - seconds, now, nbytes, before, transfer
                 )
             span = series.ended - series.started
             if series.nbytes > 0 and span >= MIN_MEASURED_S:
@@ -267,9 +283,9 @@ class LinkEstimates:
             if direction == "down":
                 link.download_ended = time.monotonic() if training else None
                 if whole:
-                    link.down_bytes = nbytes
+                    link.down_bytes = size or nbytes
             elif whole:
-                link.up_bytes = nbytes
+                link.up_bytes = size or nbytes
 
     def upload_started(self, site: str, *, count_compute: bool = True) -> None:
         """`site` asked to upload (before any wait for a slot): the end of its compute

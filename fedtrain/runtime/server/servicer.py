@@ -698,7 +698,9 @@ class FedtrainServicer:
             # could take every slot with downloads it never reads.
             key = session.token
             training = round_state is not None
-            async with self._transfer(session, "down", key, training=training) as meter:
+            async with self._transfer(
+                session, "down", key, training=training, moves=(model.version, request.held_version)
+            ) as meter:
                 manifest, pieces = await self.downloads.prepare(
                     model,
                     encoded=self.downloads.serves(session.capabilities),
@@ -762,16 +764,25 @@ class FedtrainServicer:
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, session: Session, direction: str, key: Any, *, training: bool = True
+        self,
+        session: Session,
+        direction: str,
+        key: Any,
+        *,
+        training: bool = True,
+        moves: Any = None,
     ) -> AsyncIterator[TransferMeter]:
         """A transfer slot (shared by the parallel streams of transfer `key`), and the
-        link's rate measured while the transfer holds it (all its streams together)."""
+        link's rate measured while the transfer holds it (all its streams together;
+        `moves`: what it moves, so that its ranges in a row are measured as one)."""
         self._loop = asyncio.get_running_loop()
 
         def opened() -> TransferMeter:
             received = session.bytes_received
             counted = (lambda: session.bytes_received - received) if direction == "up" else None
-            return self.coordinator.links.meter(session.site, direction, counted, training=training)
+            return self.coordinator.links.meter(
+                session.site, direction, counted, training=training, transfer=moves
+            )
 
         session.queued += 1  # until the slot is granted: the server's wait, not the site's
         granted = False
@@ -831,7 +842,7 @@ class FedtrainServicer:
             weight = None if header.masked else await self._weigh(state, session, header, context)
             held = self._new_upload(state, session, header, weight)
         try:
-            async with self._transfer(session, "up", held.id) as meter:
+            async with self._transfer(session, "up", held.id, moves=held.id) as meter:
                 if not meter.total:  # the first of its streams: what the transfer moves
                     meter.expect(held.sink.expected_bytes, held.offset)
                 whole = await self._stream_upload(
