@@ -93,12 +93,17 @@ def test_after_a_probe_found_nothing_the_next_transfer_probes_only_if_it_moves_s
     start = first.next_start()
     assert first.tried == [1, 4, 1] and start == (1, pytest.approx(LINE))
     second = StreamCount(start[0], 64, known=start[1], clock=clock)
+    assert second.alone and not second.parallel  # one call, as transfer_streams = 1
     _transfer(second, clock, lambda k, _: LINE * 0.9, 40 << 20)  # about as fast: no probe
     assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE * 0.9))
-    lossy = StreamCount(1, 64, known=LINE * 0.9, clock=clock)  # the link turned lossy
+    slower = StreamCount(1, 64, known=LINE * 0.9, clock=clock)  # alone, and slower now:
+    _transfer(slower, clock, lambda k, _: FLOW, 4 << 20)
+    assert slower.next_start()[1] is None  # the next transfer probes
+    start, known = slower.next_start()
+    lossy = StreamCount(start, 64, known=known, clock=clock)  # the link turned lossy
+    assert lossy.parallel
     _transfer(lossy, clock, lambda k, _: k * FLOW, 40 << 20)
-    assert lossy.tried[:3] == [1, 4, 16]
-    assert lossy.next_start() == (lossy.current // 2, None)
+    assert lossy.current > 4 and lossy.next_start() == (lossy.current // 2, None)
 
 
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:

@@ -947,7 +947,8 @@ class SiteDaemon:
         # chunk's worth, and its manifest says how large the rest is to share out (the
         # model held says how large it will be: a small one goes in one call).
         expected = previous.nbytes if previous is not None else PROBE_MIN_BYTES
-        single = not self._stream_plan(link, expected, "down").parallel
+        plan = self._stream_plan(link, expected, "down")
+        single = not plan.parallel
         first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
         if deadline_unix:
             manifest, pieces = self._through_outages(
@@ -958,7 +959,13 @@ class SiteDaemon:
         total = manifest.total_bytes
         if not first_end or total <= first_end:
             chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
-            return receive_model(manifest, chunks, link.download_codec, previous, held)
+            if not plan.alone:
+                return receive_model(manifest, chunks, link.download_codec, previous, held)
+            model = receive_model(
+                manifest, _counted(chunks, plan.moved), link.download_codec, previous, held
+            )
+            self._streams_used(plan, "down", f"model {version[:12]}: downloaded")
+            return model
         count = self._stream_plan(link, total, "down")
         cutter = RangeCutter(0, total, first_end=first_end)
         positions = chunk_positions(manifest)
@@ -966,11 +973,12 @@ class SiteDaemon:
 
         def fetch(number: int, byte_range: tuple[int, int]) -> Iterator[Chunk]:
             first = opened.pop() if byte_range[0] == 0 and opened else None
-            for chunk in self._resumed(
-                link, deadline_unix, manifest, first, request, byte_range, positions, number
-            ):
-                count.moved(len(chunk.data))
-                yield chunk
+            return _counted(
+                self._resumed(
+                    link, deadline_unix, manifest, first, request, byte_range, positions, number
+                ),
+                count.moved,
+            )
 
         log.debug("model %s: downloading over %d streams", version[:12], count.current)
         chunks = merged(cutter, count, fetch)
@@ -1088,7 +1096,12 @@ class SiteDaemon:
         sizes = chunks.sizes() if isinstance(chunks, UpdateChunks) and not header.masked else []
         count = self._stream_plan(link, sum(sizes), "up") if sizes else StreamCount.fixed(1)
         if not count.parallel:
-            return self._upload_range(link, 0, header, chunks, SharedUpload(), deadline_unix)
+            moved = count.moved if count.alone else None
+            receipt = self._upload_range(
+                link, 0, header, chunks, SharedUpload(), deadline_unix, moved
+            )
+            self._streams_used(count, "up", f"round {header.round}: uploaded")
+            return receipt
         assert isinstance(chunks, UpdateChunks)
         shared = SharedUpload()
 
@@ -1165,6 +1178,13 @@ class SiteDaemon:
             return call.result()
 
         return self._through_outages(link, deadline_unix, "upload", attempt)
+
+
+def _counted(chunks: Iterator[Chunk], moved: Callable[[int], None]) -> Iterator[Chunk]:
+    """`chunks`, each told to `moved` (its size) as it arrives."""
+    for chunk in chunks:
+        moved(len(chunk.data))
+        yield chunk
 
 
 def _download_chunks(pieces: Iterator[Any]) -> Iterator[Chunk]:

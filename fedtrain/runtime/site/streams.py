@@ -185,6 +185,11 @@ class StreamCount:
         #: nothing: reached again, this one does not probe (see `next_start`).
         self._known = known
         self._skipped = False
+        #: One call for the whole transfer, measured: where one stream was as fast as
+        #: more the last time (`next_start`), so that a clean link moves its bytes
+        #: exactly as with `transfer_streams = 1`; if it turns out slower, the next
+        #: transfer probes.
+        self.alone = adaptive and self.current == 1 and known is not None
 
     @classmethod
     def fixed(cls, count: int) -> StreamCount:
@@ -193,13 +198,13 @@ class StreamCount:
     @property
     def parallel(self) -> bool:
         """Whether the transfer may use more than one stream (ranges, not one call)."""
-        return self.limit > 1
+        return self.limit > 1 and not self.alone
 
     def moved(self, nbytes: int) -> None:
         """A stream moved a chunk of `nbytes`: measure, and perhaps change the count."""
         with self.changed:
             self._moved += nbytes
-            if not self.adaptive or (self.current >= self.limit and self.settled):
+            if not self.adaptive or (self.settled and (self.alone or self.current >= self.limit)):
                 return
             now = self._clock()
             if self.settled:
@@ -225,6 +230,9 @@ class StreamCount:
         if known is not None and rate >= known * AS_BEFORE:  # no probe
             self._best, self.settled, self._skipped = (self.current, rate), True, True
             self._changed_at = now
+            return
+        if self.alone:  # slower than before, on one call: the next transfer probes
+            self._best, self.settled = (self.current, 0.0), True
             return
         if self.current != best_count and rate <= best_rate * (1 + GAIN):
             # the streams added last did not pay: back to the best count, for good
