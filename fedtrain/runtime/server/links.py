@@ -6,7 +6,8 @@ A site on a 10 Mbit/s link chosen for a round with a 45 s deadline would downloa
 byte wasted, every round, and nothing would say why. Each download and upload is timed
 here from the moment it gets its transfer slot (time spent queueing for a slot is the
 server's, not the link's); a transfer cut off part way still measures the rate it
-reached; one that moved nothing says nothing. A site's compute time is what passes
+reached; one that moved nothing says nothing; the ranges of one transfer over parallel
+streams, one call each, are measured together (SERIES_GAP_S). A site's compute time is what passes
 between the end of a training round's download and its upload's request (evaluation
 downloads, slot queues and secure rounds' key agreement, which waits on the other
 sites, are not the site's). Before a round starts, a site whose estimated round

@@ -31,8 +31,9 @@ REPROBE_S (what limited it, e.g. a server busy with other sites, may have gone).
 clean link so keeps one stream (after a probe of four for about a second), a lossy one
 gets many. The next transfer in the same direction starts from half the count this
 one stayed at; one that stayed at one stream tells the next the rate it had, and the
-next probes only if it moves slower (a clean link pays the probe once, not every
-transfer). Transfers under PROBE_MIN_BYTES are not probed.
+next is one call, as with `transfer_streams = 1`, measured: if it moves slower, the one
+after probes (a clean link pays the probe once, not every transfer). Transfers under
+PROBE_MIN_BYTES are not probed.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
