@@ -558,8 +558,10 @@ class SiteConfig:
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
         "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
         "100 Mbit/s link where one reached 3%), but on a clean link or with BBR one is "
-        "better. 0: automatic, one stream for now (benchmarks/RESULTS.md, 'WAN: parallel "
-        "streams'). Masked (secure aggregation) uploads always use one.",
+        "better. 0: automatic, per transfer and direction: from one stream, four times more "
+        "while more streams raise the measured rate by > 50%, up to 64; a transfer under 4 MiB "
+        "uses one (site/streams.py; benchmarks/RESULTS.md, 'WAN: parallel streams'). "
+        "Masked (secure aggregation) uploads always use one.",
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")

@@ -116,7 +116,8 @@ def test_freed_memory_is_given_back_every_few_seconds_off_the_callers_thread() -
 
 #: In a fresh interpreter (a test process's arenas hold whatever earlier tests left):
 #: a thread allocates and frees 192 MB in 64 KB buffers with small allocations that
-#: stay between them, as gRPC's threads do with uploads; prints the bytes resident before and after `release_free_memory`.
+#: stay between them, as gRPC's threads do with uploads; prints the bytes resident
+#: before and after `release_free_memory`.
 _THREAD_BUFFERS = """
 import threading, psutil
 from fedtrain.runtime.allocator import release_free_memory

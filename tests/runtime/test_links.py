@@ -189,3 +189,35 @@ def test_a_site_whose_link_cannot_make_the_deadline_is_skipped_and_audited(
     assert started[2] == started[3] == ["fast-a", "fast-b"]  # nothing sent its way
     assert [m["round"] for m in dep.metrics()] == [1, 2, 3]
     assert "site 'slow' skipped: estimated" in dep.log("server")
+
+
+def test_the_ranges_of_a_download_over_parallel_streams_are_measured_as_one_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each range's call ends on the server once its bytes are in gRPC's buffers, and
+    the site asks for the next only when it has read them: measured one by one, a site
+    on a 2 MB/s link looked like megabytes in milliseconds (the slow-site skip did not
+    skip), and a range's bytes were taken for the model's size."""
+    from fedtrain.runtime.server import links as links_module
+
+    clock = Clock()
+    monkeypatch.setattr(links_module.time, "monotonic", clock)
+    links = LinkEstimates()
+    for _ in range(8):  # 8 ranges of 2 MB, one a second
+        meter = links.meter("slow", "down", transfer="version-1")
+        meter.expect(40 * MB)
+        meter.add(2 * MB)
+        clock.now += 0.002
+        meter.completed()
+        meter.close()
+        clock.now += 1.0
+    estimate = links.estimate("slow", 40 * MB, None)
+    assert estimate is not None and estimate.down_bps == pytest.approx(16 * MB / 7.016)
+    link = links.link("slow")
+    assert link is not None and link.down_bytes == 40 * MB  # the download's, not a range's
+    assert links.plan_round(["slow", "fast"], 8.0, 40 * MB, None, enough=1) != {}
+    other = links.meter("slow", "down", transfer="version-2")  # the next round's: its own
+    other.add(4 * MB)
+    clock.now += 0.5
+    other.close()
+    assert links.rates("slow")[0] == pytest.approx((16 * MB / 7.016 + 8 * MB) / 2)

@@ -6,7 +6,8 @@ A site on a 10 Mbit/s link chosen for a round with a 45 s deadline would downloa
 byte wasted, every round, and nothing would say why. Each download and upload is timed
 here from the moment it gets its transfer slot (time spent queueing for a slot is the
 server's, not the link's); a transfer cut off part way still measures the rate it
-reached; one that moved nothing says nothing. A site's compute time is what passes
+reached; one that moved nothing says nothing; the ranges of one transfer over parallel
+streams, one call each, are measured together (SERIES_GAP_S). A site's compute time is what passes
 between the end of a training round's download and its upload's request (evaluation
 downloads, slot queues and secure rounds' key agreement, which waits on the other
 sites, are not the site's). Before a round starts, a site whose estimated round
@@ -20,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,12 @@ LIVE_MEASURED_S = 1.0
 #: moves no bytes, so without this it could never show that its link got better
 #: (an outage ended, a line was upgraded); it then tries a round again.
 FORGET_AFTER_S = 1800.0
+#: Meters of one transfer (`TransferMeter.transfer`) that follow each other within this
+#: long are measured as one: the ranges of parallel streams (a range's call ends here as soon as
+#: its bytes are in gRPC's buffers, long before the site has read them, and the site
+#: asks for its next range only once it has, seconds later on a slow link; measured
+#: alone, each looked like megabytes moved in milliseconds).
+SERIES_GAP_S = 10.0
 #: Rounds in a row a site may be skipped before the operator is told what to change.
 SKIPS_BEFORE_WARNING = 3
 
@@ -53,6 +60,19 @@ class Link:
     measured_at: float = 0.0  # time.monotonic() of its latest training-round transfer
     download_ended: float | None = None
     skipped_in_a_row: int = 0
+
+
+@dataclass
+class _Series:
+    """Transfers of one site and direction measured as one (SERIES_GAP_S)."""
+
+    started: float
+    ended: float
+    nbytes: int
+    #: The smoothed rate before the series began: each new part replaces the series'
+    #: contribution instead of adding another.
+    before: float | None
+    transfer: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +127,13 @@ class TransferMeter:
         direction: str,
         counted: Callable[[], int] | None,
         training: bool,
+        transfer: Hashable = None,
     ) -> None:
         self._links, self._site, self._direction = links, site, direction
         self._counted, self.training = counted, training
+        #: What the site transfers (a model version, an upload's id): meters of the same
+        #: one in a row are measured as one (`LinkEstimates.record`).
+        self.transfer = transfer
         self.started = time.monotonic()
         self._added = 0
         self.whole = False
@@ -165,6 +189,12 @@ class TransferMeter:
         seconds, nbytes = now - self.started, self.nbytes
         return nbytes / seconds if seconds >= LIVE_MEASURED_S and nbytes > 0 else None
 
+    def completed(self) -> None:
+        """The transfer (or a range of it on a parallel stream) went through: its size
+        is `total` (what this meter counted may be only a range's: one is reopened
+        between two ranges when none was open for a moment)."""
+        self.whole = True
+
     def close(self) -> None:
         self._links.record(
             self._site,
@@ -173,6 +203,8 @@ class TransferMeter:
             time.monotonic() - self.started,
             whole=self.whole,
             training=self.training,
+            transfer=self.transfer,
+            size=self.total,
         )
         self._links.forget(self)
 
@@ -183,6 +215,7 @@ class LinkEstimates:
     def __init__(self) -> None:
         self._links: dict[str, Link] = {}
         self._live: dict[tuple[str, str], TransferMeter] = {}
+        self._series: dict[tuple[str, str], _Series] = {}
         self._lock = threading.Lock()
 
     def meter(
@@ -192,10 +225,12 @@ class LinkEstimates:
         counted: Callable[[], int] | None = None,
         *,
         training: bool = True,
+        transfer: Hashable = None,
     ) -> TransferMeter:
         """`direction`: "down" (a model download) or "up" (an update upload);
-        `training`: part of a training round (an evaluation's download is not)."""
-        meter = TransferMeter(self, site, direction, counted, training)
+        `training`: part of a training round (an evaluation's download is not);
+        `transfer`: what it moves (see TransferMeter.transfer)."""
+        meter = TransferMeter(self, site, direction, counted, training, transfer)
         with self._lock:
             self._live[(site, direction)] = meter
         return meter
@@ -232,24 +267,45 @@ class LinkEstimates:
         *,
         whole: bool,
         training: bool = True,
+        transfer: Hashable = None,
+        size: int = 0,
     ) -> None:
-        """One finished (or cut off) transfer of `nbytes` in `seconds`."""
+        """One finished (or cut off) transfer of `nbytes` in `seconds` (when `whole`,
+        of `size` bytes in all, default `nbytes`); one that continues `transfer` (its
+        ranges on parallel streams) is measured with it."""
         with self._lock:
             link = self._live_link(site)
             if training or not link.measured_at:  # only training keeps figures fresh
                 link.measured_at = time.monotonic()
-            if nbytes > 0 and seconds >= MIN_MEASURED_S:
-                rate = nbytes / seconds
+            now = time.monotonic()
+            series = self._series.get((site, direction))
+            gap = now - seconds - series.ended if series is not None else -1.0
+            if (
+                series is not None
+                and transfer is not None
+                and series.transfer == transfer
+                and -1e-3 <= gap <= SERIES_GAP_S
+            ):
+                series.nbytes += nbytes
+                series.ended = now
+            else:
+                before = link.down_bps if direction == "down" else link.up_bps
+                series = self._series[(site, direction)] = _Series(
+                    now - seconds, now, nbytes, before, transfer
+                )
+            span = series.ended - series.started
+            if series.nbytes > 0 and span >= MIN_MEASURED_S:
+                rate = _smooth(series.before, series.nbytes / span)
                 if direction == "down":
-                    link.down_bps = _smooth(link.down_bps, rate)
+                    link.down_bps = rate
                 else:
-                    link.up_bps = _smooth(link.up_bps, rate)
+                    link.up_bps = rate
             if direction == "down":
                 link.download_ended = time.monotonic() if training else None
                 if whole:
-                    link.down_bytes = nbytes
+                    link.down_bytes = size or nbytes
             elif whole:
-                link.up_bytes = nbytes
+                link.up_bytes = size or nbytes
 
     def upload_started(self, site: str, *, count_compute: bool = True) -> None:
         """`site` asked to upload (before any wait for a slot): the end of its compute

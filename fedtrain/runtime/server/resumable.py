@@ -209,10 +209,15 @@ class HeldUpload:
 
     def finish(self, lane: Lane, generation: int) -> bool:
         """Stream `generation` delivered its whole range: True if the update is now
-        whole and this stream must commit it (once), False if other ranges are missing."""
+        whole and this stream must commit it (once), False if other ranges are missing
+        or another stream, whose range ended at the same moment, is committing it (this
+        range is in: it must not be told to resume an upload that completed)."""
         with self._lock:
-            if generation != lane.generation or self.ended:
+            if generation != lane.generation or self.discarded:
                 raise Superseded
+            if self.ended:
+                lane.attached, lane.task = False, None
+                return False
             self._release(lane)
             if not self.sink.whole:
                 return False

@@ -723,7 +723,9 @@ class FedtrainServicer:
             # could take every slot with downloads it never reads.
             key = session.token
             training = round_state is not None
-            async with self._transfer(session, "down", key, training=training) as meter:
+            async with self._transfer(
+                session, "down", key, training=training, moves=(model.version, request.held_version)
+            ) as meter:
                 try:
                     await self._send_model(context, session, request, model, round_state, meter)
                 except asyncio.CancelledError:
@@ -815,20 +817,29 @@ class FedtrainServicer:
             meter.add(size)
             session.touch()
             await context.write(piece)  # bytes or a Chunk: wire.serialize_stream_item
-        meter.whole = True
+        meter.completed()
 
     @contextlib.asynccontextmanager
     async def _transfer(
-        self, session: Session, direction: str, key: Any, *, training: bool = True
+        self,
+        session: Session,
+        direction: str,
+        key: Any,
+        *,
+        training: bool = True,
+        moves: Any = None,
     ) -> AsyncIterator[TransferMeter]:
         """A transfer slot (shared by the parallel streams of transfer `key`), and the
-        link's rate measured while the transfer holds it (all its streams together)."""
+        link's rate measured while the transfer holds it (all its streams together;
+        `moves`: what it moves, so that its ranges in a row are measured as one)."""
         self._loop = asyncio.get_running_loop()
 
         def opened() -> TransferMeter:
             received = session.bytes_received
             counted = (lambda: session.bytes_received - received) if direction == "up" else None
-            return self.coordinator.links.meter(session.site, direction, counted, training=training)
+            return self.coordinator.links.meter(
+                session.site, direction, counted, training=training, transfer=moves
+            )
 
         session.queued += 1  # until the slot is granted: the server's wait, not the site's
         granted = False
@@ -893,13 +904,14 @@ class FedtrainServicer:
             weight = None if header.masked else await self._weigh(state, session, header, context)
             held = self._new_upload(state, session, header, weight)
         try:
-            async with self._transfer(session, "up", held.id) as meter:
+            async with self._transfer(session, "up", held.id, moves=held.id) as meter:
                 if not meter.total:  # the first of its streams: what the transfer moves
                     meter.expect(held.sink.expected_bytes, held.offset)
                 whole = await self._stream_upload(
                     context, state, session, header, held, request_iterator, meter
                 )
-                meter.whole = whole
+                if whole:
+                    meter.completed()
         except asyncio.CancelledError:  # e.g. the site went away while its upload waited
             held.abandoned_before_start()
             raise

@@ -63,15 +63,16 @@ from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
 from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.streams import (
     PARALLEL_CHUNK_BYTES,
-    RANGES_PER_STREAM,
+    PROBE_MIN_BYTES,
+    RangeCutter,
     SharedUpload,
+    StreamCount,
     UpdateChunks,
-    byte_ranges,
     chunk_positions,
     completed,
     merged,
     run_ranges,
-    stream_count,
+    stream_plan,
 )
 from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
@@ -194,9 +195,13 @@ class Link:
     up: threading.Event = field(default_factory=threading.Event)
     #: Makes a connection of its own for a parallel stream (`StreamConnection`).
     dial: Callable[[Link], StreamConnection] | None = None
-    #: The parallel streams' connections beyond the control stream's (`stream_channel`).
-    extra_channels: list[StreamConnection] = field(default_factory=list)
+    #: The parallel streams' connections beyond the control stream's (`stream_channel`;
+    #: None: not dialled yet).
+    extra_channels: list[StreamConnection | None] = field(default_factory=list)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: One per parallel stream: its connection is dialled once, beside the others' (a
+    #: count grown from 16 to 64 dials 48 at once, not one TLS join after another).
+    _dial_locks: dict[int, threading.Lock] = field(default_factory=dict)
 
     def stream_channel(self, number: int) -> grpc.Channel:
         """The channel of parallel stream `number`: the control stream's for 0, else one
@@ -208,11 +213,22 @@ class Link:
             return self.channel
         with self._channels_lock:
             while len(self.extra_channels) < number:
-                self.extra_channels.append(self._dial())
-            connection = self.extra_channels[number - 1]
-            if not connection.alive():
+                self.extra_channels.append(None)
+            dialling = self._dial_locks.setdefault(number, threading.Lock())
+        with dialling:
+            with self._channels_lock:
+                held = self.extra_channels
+                connection = held[number - 1] if len(held) >= number else None
+            if connection is not None and connection.alive():
+                return connection.channel
+            if connection is not None:
                 connection.close()
-                connection = self.extra_channels[number - 1] = self._dial()
+            connection = self._dial()
+            with self._channels_lock:
+                if len(self.extra_channels) < number:  # the session's were closed meanwhile
+                    connection.close()
+                    return self.channel
+                self.extra_channels[number - 1] = connection
             return connection.channel
 
     def _dial(self) -> StreamConnection:
@@ -228,7 +244,8 @@ class Link:
         with self._channels_lock:
             connections, self.extra_channels = self.extra_channels, []
         for connection in connections:
-            connection.close()
+            if connection is not None:
+                connection.close()
 
     def report(self, server_round: int, message: str) -> None:
         """Tell the server this round failed here, so it need not wait for the deadline."""
@@ -280,6 +297,11 @@ class SiteDaemon:
         #: Set when the site cannot train any more (a torchrun group broke): `run()`
         #: returns and the CLI exits non-zero, so torchrun can restart the site.
         self.fatal: str | None = None
+        #: Per direction, the count of parallel streams the automatic choice starts at.
+        self._stream_start: dict[str, tuple[int, float | None]] = {
+            "down": (1, None),
+            "up": (1, None),
+        }
         self.device = resolve_device(config.device)
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
@@ -722,7 +744,7 @@ class SiteDaemon:
                 )
             else:
                 header = _plain_header(link, instruction, result)
-                parallel = self._streams(link, global_state.nbytes) > 1
+                parallel = self._stream_plan(link, global_state.nbytes, "up").parallel
                 chunk_bytes = min(link.chunk_bytes, PARALLEL_CHUNK_BYTES) if parallel else None
                 chunks = update_chunks(link, local, global_state, chunk_bytes)
                 header.codec = link.codec.name
@@ -922,8 +944,11 @@ class SiteDaemon:
             return head.manifest, pieces
 
         # Parallel streams (when this link may use them): the first asks for the first
-        # chunk's worth, and its manifest says how large the rest is to share out.
-        single = self._streams(link, PARALLEL_CHUNK_BYTES + 1) == 1
+        # chunk's worth, and its manifest says how large the rest is to share out (the
+        # model held says how large it will be: a small one goes in one call).
+        expected = previous.nbytes if previous is not None else PROBE_MIN_BYTES
+        plan = self._stream_plan(link, expected, "down")
+        single = not plan.parallel
         first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
         if deadline_unix:
             manifest, pieces = self._through_outages(
@@ -934,22 +959,32 @@ class SiteDaemon:
         total = manifest.total_bytes
         if not first_end or total <= first_end:
             chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
-            return receive_model(manifest, chunks, link.download_codec, previous, held)
-        streams = self._streams(link, total)
-        count = min(streams * RANGES_PER_STREAM, (total - first_end) // first_end)
-        ranges = [(0, first_end), *byte_ranges(first_end, total, max(1, count))]
+            if not plan.alone:
+                return receive_model(manifest, chunks, link.download_codec, previous, held)
+            model = receive_model(
+                manifest, _counted(chunks, plan.moved), link.download_codec, previous, held
+            )
+            self._streams_used(plan, "down", f"model {version[:12]}: downloaded")
+            return model
+        count = self._stream_plan(link, total, "down")
+        cutter = RangeCutter(0, total, first_end=first_end)
         positions = chunk_positions(manifest)
         opened = [pieces]  # the first range's stream is open already
 
         def fetch(number: int, byte_range: tuple[int, int]) -> Iterator[Chunk]:
-            first = opened.pop() if byte_range == ranges[0] and opened else None
-            return self._resumed(
-                link, deadline_unix, manifest, first, request, byte_range, positions, number
+            first = opened.pop() if byte_range[0] == 0 and opened else None
+            return _counted(
+                self._resumed(
+                    link, deadline_unix, manifest, first, request, byte_range, positions, number
+                ),
+                count.moved,
             )
 
-        log.debug("model %s: downloading over %d streams", version[:12], streams)
-        chunks = merged(ranges, streams, fetch)
-        return receive_model(manifest, chunks, link.download_codec, previous, held)
+        log.debug("model %s: downloading over %d streams", version[:12], count.current)
+        chunks = merged(cutter, count, fetch)
+        model = receive_model(manifest, chunks, link.download_codec, previous, held)
+        self._streams_used(count, "down", f"model {version[:12]}: downloaded")
+        return model
 
     def _resumed(
         self,
@@ -1032,11 +1067,20 @@ class SiteDaemon:
                 return not (self._stop.is_set() or link.closed.is_set())
         return False
 
-    def _streams(self, link: Link, nbytes: int) -> int:
-        """Parallel streams for a transfer of `nbytes` on `link` (`transfer_streams`)."""
+    def _stream_plan(self, link: Link, nbytes: int, direction: str) -> StreamCount:
+        """Parallel streams for a transfer of `nbytes` on `link` (`transfer_streams`);
+        the automatic choice starts in each direction where the previous transfer said
+        (`StreamCount.next_start`: a lossy link's many streams need not be probed for
+        anew every time, a link that got better sheds them over a few transfers, a clean
+        one is not probed while one stream moves as fast as before)."""
         if link.dial is None:
-            return 1
-        return stream_count(self.config.transfer_streams, nbytes)
+            return StreamCount.fixed(1)
+        return stream_plan(self.config.transfer_streams, nbytes, self._stream_start[direction])
+
+    def _streams_used(self, count: StreamCount, direction: str, what: str) -> None:
+        if count.adaptive:
+            self._stream_start[direction] = count.next_start()
+            log.info("%s over %s", what, count.describe())
 
     def _upload(
         self,
@@ -1050,11 +1094,15 @@ class SiteDaemon:
         `streams.py`); a masked one goes over one (the server folds its chunks into the
         secure sum in order)."""
         sizes = chunks.sizes() if isinstance(chunks, UpdateChunks) and not header.masked else []
-        streams = self._streams(link, sum(sizes)) if sizes else 1
-        if streams == 1:
-            return self._upload_range(link, 0, header, chunks, SharedUpload(), deadline_unix)
+        count = self._stream_plan(link, sum(sizes), "up") if sizes else StreamCount.fixed(1)
+        if not count.parallel:
+            moved = count.moved if count.alone else None
+            receipt = self._upload_range(
+                link, 0, header, chunks, SharedUpload(), deadline_unix, moved
+            )
+            self._streams_used(count, "up", f"round {header.round}: uploaded")
+            return receipt
         assert isinstance(chunks, UpdateChunks)
-        ranges = wire.chunk_ranges(sizes, streams * RANGES_PER_STREAM)
         shared = SharedUpload()
 
         def send(number: int, byte_range: tuple[int, int]) -> pb.UploadReceipt:
@@ -1063,11 +1111,19 @@ class SiteDaemon:
             ranged.CopyFrom(header)
             ranged.range_start, ranged.range_end = start, end
             return self._upload_range(
-                link, number, ranged, lambda: chunks.between(start, end), shared, deadline_unix
+                link,
+                number,
+                ranged,
+                lambda: chunks.between(start, end),
+                shared,
+                deadline_unix,
+                count.moved,
             )
 
-        log.debug("round %d: uploading over %d streams", header.round, streams)
-        return completed(run_ranges(ranges, streams, send, shared))
+        log.debug("round %d: uploading over %d streams", header.round, count.current)
+        receipt = completed(run_ranges(RangeCutter.over_chunks(sizes), count, send, shared))
+        self._streams_used(count, "up", f"round {header.round}: uploaded")
+        return receipt
 
     def _upload_range(
         self,
@@ -1077,11 +1133,13 @@ class SiteDaemon:
         chunks: Callable[[], Iterator[Chunk]],
         shared: SharedUpload,
         deadline_unix: float,
+        moved: Callable[[int], None] | None = None,
     ) -> pb.UploadReceipt:
         """Send one stream's range of an update (the whole of it without a range) on
-        parallel stream `number`'s channel. A broken stream is resumed: the server's
-        go-ahead says up to where it holds the range (`wire.UPLOAD_OFFSET`), and only
-        the chunks after that are sent."""
+        parallel stream `number`'s channel; `moved(bytes)` after each chunk gRPC took
+        (it asks for the next only once flow control lets the previous go). A broken
+        stream is resumed: the server's go-ahead says up to where it holds the range
+        (`wire.UPLOAD_OFFSET`), and only the chunks after that are sent."""
 
         def attempt() -> pb.UploadReceipt:
             header.resume_id = shared.id
@@ -1110,13 +1168,23 @@ class SiteDaemon:
                         header.round,
                         offset,
                     )
-                yield from wire.chunks_after(chunks(), offset)
+                for chunk in wire.chunks_after(chunks(), offset):
+                    yield chunk
+                    if moved is not None:
+                        moved(len(chunk.data))
 
             call = upload.future(items())
             calls.put(call)
             return call.result()
 
         return self._through_outages(link, deadline_unix, "upload", attempt)
+
+
+def _counted(chunks: Iterator[Chunk], moved: Callable[[int], None]) -> Iterator[Chunk]:
+    """`chunks`, each told to `moved` (its size) as it arrives."""
+    for chunk in chunks:
+        moved(len(chunk.data))
+        yield chunk
 
 
 def _download_chunks(pieces: Iterator[Any]) -> Iterator[Chunk]:

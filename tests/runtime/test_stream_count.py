@@ -1,0 +1,217 @@
+"""The automatic count of parallel streams (`StreamCount`) and the ranges it shares out
+(`RangeCutter`, `run_ranges`), against a fake clock and links whose rate is a function
+of the streams: no network, so the decisions are exact."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from fedtrain.runtime import wire
+from fedtrain.runtime.site.streams import (
+    FIRST_RANGE_BYTES,
+    GROWTH,
+    LANES,
+    MEASURE_S,
+    RANGE_S,
+    REPROBE_S,
+    WARMUP_S,
+    RangeCutter,
+    StreamCount,
+    run_ranges,
+)
+
+CHUNK = 256 * 1024
+FLOW = 0.44e6  # one cubic flow at 1% loss and 40 ms, B/s
+LINE = 12.5e6  # 100 Mbit/s
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now += seconds
+
+
+def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], float], nbytes: int):
+    """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`."""
+    changed_at, streams = 0.0, count.current
+    for _ in range(nbytes // CHUNK):
+        if count.current != streams:
+            changed_at, streams = clock.now, count.current
+        clock.advance(CHUNK / rate(streams, clock.now - changed_at))
+        count.moved(CHUNK)
+
+
+def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() -> None:
+    """Every flow adds its share until the link is full (about 17 flows here): 64 gain
+    nothing over 16, and the count goes back to 16."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
+    assert count.tried[:5] == [1, 4, 16, 64, 16] and count.current == 16
+    assert set(count.tried[5:]) <= {16, 64}  # probed again now and then: no gain
+    full = StreamCount(1, 64, clock=clock)  # a link 64 flows do not fill: all 64 stay
+    _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
+    assert full.tried == [1, 4, 16, 64] and full.settled
+
+
+def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -> None:
+    """More streams gained nothing while the server was busy with other sites (four
+    flows' worth for it); once their transfers end, the next probe finds the gain."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    _transfer(count, clock, lambda k, _: min(k, 4) * FLOW, 8 << 20)
+    assert count.tried == [1, 4, 16, 4] and count.settled
+    _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)  # the others are done
+    assert count.tried[4:] == [16, 64] and count.current == 64
+    assert clock.now > REPROBE_S
+
+
+def test_on_a_clean_link_one_stream_stays_alone() -> None:
+    """One flow fills the link: more gain nothing, and go (after their range)."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    _transfer(count, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 40 << 20)
+    assert count.tried == [1, 4, 1] and count.settled
+
+
+def test_after_a_probe_found_nothing_the_next_transfer_probes_only_if_it_moves_slower() -> None:
+    clock = Clock()
+    first = StreamCount(1, 64, clock=clock)
+    _transfer(first, clock, lambda k, _: LINE, 40 << 20)
+    start = first.next_start()
+    assert first.tried == [1, 4, 1] and start == (1, pytest.approx(LINE))
+    second = StreamCount(start[0], 64, known=start[1], clock=clock)
+    assert second.alone and not second.parallel  # one call, as transfer_streams = 1
+    _transfer(second, clock, lambda k, _: LINE * 0.9, 40 << 20)  # about as fast: no probe
+    assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE * 0.9))
+    slower = StreamCount(1, 64, known=LINE * 0.9, clock=clock)  # alone, and slower now:
+    _transfer(slower, clock, lambda k, _: FLOW, 4 << 20)
+    assert slower.next_start()[1] is None  # the next transfer probes
+    start, known = slower.next_start()
+    lossy = StreamCount(start, 64, known=known, clock=clock)  # the link turned lossy
+    assert lossy.parallel
+    _transfer(lossy, clock, lambda k, _: k * FLOW, 40 << 20)
+    assert lossy.current > 4 and lossy.next_start() == (lossy.current // 2, None)
+
+
+def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
+    """The streams just added move nothing for most of the warm-up (handshake, slow
+    start): measured from the change on, four streams would look no better than one."""
+    clock = Clock()
+    count = StreamCount(1, 16, clock=clock)
+
+    def rate(k: int, since: float) -> float:
+        return FLOW * (k if since >= WARMUP_S * 0.9 else k // GROWTH or 1)
+
+    _transfer(count, clock, rate, 40 << 20)
+    assert count.tried == [1, 4, 16] and count.settled  # the limit
+
+
+def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
+    """At ~0.6 s a chunk, a window of MEASURE_S would hold one chunk or none."""
+    clock = Clock()
+    count = StreamCount(1, 64, clock=clock)
+    slow = 0.4e6
+    _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
+    assert count.tried == [1]  # still measuring: too few chunks to tell
+    _transfer(count, clock, lambda k, _: slow, 4 * CHUNK)
+    assert count.tried == [1, GROWTH]
+    assert clock.now > WARMUP_S + MEASURE_S
+
+
+def test_a_fixed_count_and_one_started_at_the_limit_never_change() -> None:
+    clock = Clock()
+    for count in (StreamCount(8, 8, adaptive=False, clock=clock), StreamCount(64, 64, clock=clock)):
+        _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)
+        assert count.tried == [count.current] and count.settled
+
+
+def test_an_uploads_ranges_end_at_chunks_and_stay_within_what_the_server_accepts() -> None:
+    sizes = [CHUNK] * 400 + [1000]
+    cutter = RangeCutter.over_chunks(sizes)
+    count = StreamCount.fixed(64)
+    ranges = list(iter(lambda: cutter.take(count), None))
+    ends = set(itertools.accumulate(sizes))
+    assert len(ranges) <= wire.MAX_UPLOAD_RANGES
+    assert all(end in ends for _, end in ranges)
+    assert ranges[0][0] == 0 and ranges[-1][1] == sum(sizes)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_ranges_shrink_as_the_transfer_ends_and_one_stream_left_alone_takes_the_rest() -> None:
+    cutter = RangeCutter(0, 40 << 20)
+    probing = StreamCount(1, 64)
+    first, second = (cutter.take(probing, want=LINE * RANGE_S) for _ in range(2))
+    assert first is not None and second is not None
+    assert second[1] - second[0] < first[1] - first[0]  # room left for streams added later
+    alone = StreamCount.fixed(1)
+    assert cutter.take(alone) == (second[1], 40 << 20)
+    assert cutter.take(alone) is None and cutter.exhausted
+
+
+def test_a_stream_takes_what_it_moves_in_range_s_so_a_slow_one_never_holds_the_end() -> None:
+    """Sized only to the streams' count, the second range of a 40 MB transfer went to a
+    lossy link's single flow as 10 MB (23 s at 0.44 MB/s), and the transfer waited for
+    it long after the streams added meanwhile had moved the rest."""
+    cutter = RangeCutter.over_chunks([CHUNK] * 160)
+    count = StreamCount(1, 64)
+    first = cutter.take(count)  # no rate known yet
+    assert first == (0, FIRST_RANGE_BYTES)
+    slow = cutter.take(count, want=FLOW * RANGE_S)
+    assert slow is not None and slow[1] - slow[0] == 2 * CHUNK  # 0.44 MB, to a chunk
+    fast = cutter.take(count, want=LINE * RANGE_S)
+    assert fast is not None and fast[1] - fast[0] == 39 * CHUNK  # capped: 1/4 of the 154 left
+
+
+def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:
+    clock = Clock()
+    count = StreamCount(1, 8, clock=clock)
+    total = 64 << 20
+    cutter = RangeCutter.over_chunks([CHUNK] * (total // CHUNK))
+    used: list[tuple[int, tuple[int, int]]] = []
+    lock = threading.Lock()
+
+    def send(stream: int, byte_range: tuple[int, int]) -> int:
+        start, end = byte_range
+        for _ in range(start, end, CHUNK):
+            with lock:  # every stream adds its share: a lossy link
+                clock.advance(CHUNK / (count.current * FLOW))
+                count.moved(CHUNK)
+            time.sleep(0.001)  # (real time too, so that the new streams' threads start)
+        with lock:
+            used.append((stream, byte_range))
+        return start
+
+    results = run_ranges(cutter, count, send)
+    assert count.tried[-1] == 8 and max(stream for stream, _ in used) == 7
+    assert results == sorted(start for _, (start, _) in used)
+    covered = sorted(byte_range for _, byte_range in used)
+    assert covered[0][0] == 0 and covered[-1][1] == total
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+
+
+def test_a_failed_stream_stops_the_others_and_is_raised() -> None:
+    count = StreamCount.fixed(2)
+    cutter = RangeCutter(0, 1 << 20)
+    sent: list[int] = []
+
+    def send(stream: int, byte_range: tuple[int, int]) -> None:
+        sent.append(stream)
+        if len(sent) == 2:
+            raise ConnectionError("the link broke")
+
+    with pytest.raises(ConnectionError, match="the link broke"):
+        run_ranges(cutter, count, send)
+    assert len(sent) <= 2 * LANES  # no stream took a new range after the failure
