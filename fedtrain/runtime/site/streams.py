@@ -16,8 +16,11 @@ and range_start/range_end), and a stream that breaks resumes only its own range.
 Downloads ask for byte ranges of the same download (ModelRequest.offset/end); the
 chunks of all streams go into one `StateAssembler`, which refuses any byte twice.
 
-How many streams (`transfer_streams` in site.toml): the site's choice, or 0
-(automatic), which adapts to the link per transfer and per direction. Measured on the
+How many streams (`transfer_streams` in site.toml): the site's choice (default one),
+or 0 (automatic), which adapts to the link per transfer and per direction. Not the
+default: ranges cost CPU per chunk, and on a fast link (a 400 MB model on loopback)
+even the automatic choice's first, ranged stream moved 3-4x slower than one call
+(benchmarks/RESULTS.md, "The automatic count: not the default"). Measured on the
 emulated 100 Mbit/s, 40 ms links (benchmarks/RESULTS.md "WAN: parallel streams"): at 1%
 loss under cubic 32 / 64 streams reach 58% / 68% of the line rate where one reaches 3%,
 but on a clean link they cost (79% with 32 against 89% with one), and with many streams
