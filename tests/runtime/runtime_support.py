@@ -354,11 +354,20 @@ def finish_alpha_beta_round(
     beta.upload(
         [beta.header(1, num_examples=30, model_version=version), *chunk_messages(db.chunks(CHUNK))]
     )
-    unbroken = WeightedSum(da.specs)
-    unbroken.add(da, 10.0)
-    unbroken.add(db, 30.0)
+    end_round_with_sum(server, gamma, [(da, 10.0), (db, 30.0)])
+
+
+def end_round_with_sum(
+    server: AggregationServer, gamma: FakeSite, folded: list[tuple[Any, float]]
+) -> None:
+    """The round's sum is bit for bit that of `folded` (update, weight) in that order
+    (the order the uploads completed in); gamma's error then ends round 1."""
+    unbroken = WeightedSum(folded[0][0].specs)
+    for update, weight in folded:
+        unbroken.add(update, weight)
     aggregate = server.coordinator.current.aggregate
-    assert aggregate.count == 2 and aggregate.total_weight == 40.0
+    assert aggregate.count == len(folded)
+    assert aggregate.total_weight == sum(weight for _, weight in folded)
     for name, acc in aggregate.sums.items():
         assert torch.equal(acc, unbroken.sums[name]), name
     gamma.report_error(1, "no update from gamma this round")

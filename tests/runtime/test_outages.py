@@ -359,7 +359,7 @@ def test_an_upload_cut_idle_during_a_short_outage_resumes_and_nobody_is_dropped(
     _site("far", proxy.address, TinyTask(features=FEATURES), stop_after)
     _site("near", f"127.0.0.1:{server.port}", TinyTask(features=FEATURES, delay_s=1.0), stop_after)
     wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
-    [cut] = wait_for(lambda: _audit(server, "transfer_cut"), 20, "the idle upload to be cut")
+    [cut] = wait_for(lambda: _audit(server, "transfer_cut"), 60, "the idle upload to be cut")
     assert (cut["site"], cut["direction"], cut["waiting"]) == ("far", "up", 1)
     time.sleep(max(0.0, 6.0 - cut["idle_s"]))
     proxy.resume()
@@ -368,4 +368,7 @@ def test_an_upload_cut_idle_during_a_short_outage_resumes_and_nobody_is_dropped(
     assert record["dropped"] == [] and record["clients"] == 2
     assert _audit(server, "upload_resumed")[0]["offset"] == cut["bytes"] > 0
     assert not _audit(server, "site_away")  # the outage was shorter than the heartbeat's
-    assert {r["reason"] for r in _audit(server, "leave")} == {"run complete"}
+    # Each left at the run's end: told by the server, or (a daemon quick to hang up on
+    # the server's goodbye) closing its stream first.
+    ends = {"run complete", "control stream ended by the site"}
+    assert {r["reason"] for r in _audit(server, "leave")} <= ends

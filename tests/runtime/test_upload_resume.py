@@ -22,6 +22,7 @@ from runtime_support import (
     FakeSite,
     TinyTask,
     chunk_messages,
+    end_round_with_sum,
     finish_alpha_beta_round,
     inprocess_server,
     wait_for,
@@ -31,7 +32,6 @@ from fedtrain.runtime import wire
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
-from fedtrain.strategy import WeightedSum
 from fedtrain.task import task_fingerprint
 from fedtrain.tensors import ModelState
 
@@ -270,12 +270,4 @@ def test_in_a_round_an_idle_upload_gives_its_slot_to_a_waiting_one_and_resumes_a
     offset, resumed = _resume(a, first, da, upload_id)
     assert offset == 2 * CHUNK
     assert resumed.result(timeout=10).bytes_received == da.nbytes
-    unbroken = WeightedSum(da.specs)
-    unbroken.add(db, 30.0)  # in the order they completed
-    unbroken.add(da, 10.0)
-    aggregate = server.coordinator.current.aggregate
-    assert aggregate.count == 2 and aggregate.total_weight == 40.0
-    for name, acc in aggregate.sums.items():
-        assert torch.equal(acc, unbroken.sums[name]), name
-    c.report_error(1, "no update from gamma this round")
-    assert server.wait(20) and server.coordinator.error is None
+    end_round_with_sum(server, c, [(db, 30.0), (da, 10.0)])  # in the order they completed
