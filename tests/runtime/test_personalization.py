@@ -135,9 +135,11 @@ def test_under_dp_with_max_weight_1_the_secure_evaluation_sums_the_personalized_
         n, p = sum(m[0] for m in plain), sum(m[0] for m in tuned)
         assert (record["eval_examples"], record["personalized_examples"]) == (n, p)
         assert abs(record["accuracy"] - sum(m[0] * m[2] for m in plain) / n) <= (
-            quantizer.mean_error_bound(3, n)
+            quantizer.mean_error_bound(3, n) + 1e-6
         )
-        bound = quantizer.mean_error_bound(3, p)
+        # + float32's rounding of the decoded mean: a site at exactly 1.0 accuracy met the
+        # bound to the last bit once (3.7260e-4 against 3.7253e-4)
+        bound = quantizer.mean_error_bound(3, p) + 1e-6
         assert abs(record["personalized_loss"] - sum(m[0] * m[1] for m in tuned) / p) <= bound
         assert abs(record["personalized_accuracy"] - sum(m[0] * m[2] for m in tuned) / p) <= bound
     assert not PERSONALIZED_LINE.search(logs[REFUSES])
