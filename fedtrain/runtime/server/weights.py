@@ -95,16 +95,13 @@ class WeightPolicy:
             previous = self._latest.get(site)
             if previous is not None:  # the others' weights: all but this site's own
                 del self._sorted[bisect.bisect_left(self._sorted, previous)]
-            try:
-                decision = self._decide(site, declared, self._sorted)
-            finally:
-                if previous is not None:
-                    bisect.insort(self._sorted, previous)
-            if decision.over and self.config.action == "refuse":
+            decision = self._decide(site, declared, self._sorted)
+            refused = decision.over and self.config.action == "refuse"
+            kept = previous if refused else decision.weight  # a refused site keeps its own
+            if kept is not None:
+                bisect.insort(self._sorted, kept)
+            if refused:
                 raise WeightRefused(decision)
-            if previous is not None:
-                del self._sorted[bisect.bisect_left(self._sorted, previous)]
-            bisect.insort(self._sorted, decision.weight)
             self._latest[site] = decision.weight
             return decision
 
