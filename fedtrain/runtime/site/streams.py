@@ -16,27 +16,32 @@ and range_start/range_end), and a stream that breaks resumes only its own range.
 Downloads ask for byte ranges of the same download (ModelRequest.offset/end); the
 chunks of all streams go into one `StateAssembler`, which refuses any byte twice.
 
-How many streams (`transfer_streams` in site.toml): the site's choice (default one),
-or 0 (automatic), which adapts to the link per transfer and per direction. Not the
-default: ranges cost CPU per chunk, and on a fast link (a 400 MB model on loopback)
-even the automatic choice's first, ranged stream moved 3-4x slower than one call
-(benchmarks/RESULTS.md, "The automatic count: not the default"). Measured on the
-emulated 100 Mbit/s, 40 ms links (benchmarks/RESULTS.md "WAN: parallel streams"): at 1%
-loss under cubic 32 / 64 streams reach 58% / 68% of the line rate where one reaches 3%,
-but on a clean link they cost (79% with 32 against 89% with one), and with many streams
-the server's download-rate estimate (`links.py`) reads high by what the streams'
-buffers hold. No fixed count serves both links, so `StreamCount` starts from one and
-multiplies the count by GROWTH (4) while the streams raise the rate the transfer moves
-its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake
-and slow start are not "no gain"); when a step does not pay, the streams it added
-finish their range and take no other; a count that stopped is probed again every
-REPROBE_S (what limited it, e.g. a server busy with other sites, may have gone). A
-clean link so keeps one stream (after a probe of four for about a second), a lossy one
-gets many. The next transfer in the same direction starts from half the count this
-one stayed at; one that stayed at one stream tells the next the rate it had, and the
-next is one call, as with `transfer_streams = 1`, measured: if it moves slower, the one
-after probes (a clean link pays the probe once, not every transfer). Transfers under
-PROBE_MIN_BYTES are not probed.
+How many streams (`transfer_streams` in site.toml): a fixed count, or 0 (automatic, the
+default), which adapts to the link per transfer and per direction. No fixed count serves
+every link: on a fast one ranges cost CPU per chunk (a 400 MB model on loopback moved
+3-4x slower over them than in one call: benchmarks/RESULTS.md, "The automatic count:
+not the default"), on a clean WAN link they cost a little too (79% of the line rate with
+32 against 89% with one), and at 1% loss under cubic 32 / 64 streams reach 58% / 68% of
+it where one reaches 3% ("WAN: parallel streams"). So a transfer starts as one plain
+call, exactly as with `transfer_streams = 1`, and `CallSwitch` watches it
+(`StreamCount.poll`): after DECIDE_S, if at its rate the rest would still take more than
+SWITCH_S, the call is cut where it stands and the rest moves in ranges: a download asks
+for the bytes after those it received; an upload's call is resumed on the server with
+its range ending where the server holds it (`resumable.py` there), and the ranges join
+that upload. From then on `StreamCount` multiplies the count by GROWTH (4) while the
+streams raise the rate the transfer moves its bytes at by more than GAIN, measured after
+a warm-up (a new connection's handshake and slow start are not "no gain"); when a step
+does not pay, the streams it added finish their range and take no other; a count that
+stopped is probed again every REPROBE_S (what limited it, e.g. a server busy with other
+sites, may have gone). `StreamMemory` starts the next transfer in the same direction at
+the count this one stayed at (an upload with no history at its download's), ranged from
+the start: a lossy link's streams are not probed for anew every round. One transfer in
+DESCEND_EVERY that starts above one stream first steps down (a quarter of the streams
+while they move within GAIN of more), so a link that got clean goes back to one stream,
+and the transfers after one that found one stream as fast as more are plain calls again
+(one that is slower than that one was is cut and probed at once). Transfers under
+PROBE_MIN_BYTES are one call. With many streams the server's download-rate estimate
+(`links.py`) reads high by what the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
