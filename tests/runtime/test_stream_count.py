@@ -303,3 +303,27 @@ def test_a_failed_stream_stops_the_others_and_is_raised() -> None:
     with pytest.raises(ConnectionError, match="the link broke"):
         run_ranges(cutter, count, send)
     assert len(sent) <= 2 * LANES  # no stream took a new range after the failure
+
+
+def test_streams_a_descent_retired_start_again_when_the_count_comes_back_up() -> None:
+    """A descent on a lossy link: 4 streams -> 1 (a quarter as fast) -> 4 again; the
+    three the descent retired take ranges again (before, a retired stream's lanes were
+    counted as running and never started again)."""
+    clock = Clock()
+    count = StreamCount(4, 16, total=64 << 20, descend=True, clock=clock)
+    cutter = RangeCutter.over_chunks([CHUNK] * (256))
+    used: list[tuple[int, int]] = []  # (stream, count.tried's length when it took it)
+    lock = threading.Lock()
+
+    def send(stream: int, byte_range: tuple[int, int]) -> None:
+        with lock:
+            used.append((stream, len(count.tried)))
+        for _ in range(byte_range[0], byte_range[1], CHUNK):
+            with lock:
+                clock.advance(CHUNK / (min(count.current, 4) * FLOW))
+                count.moved(CHUNK)
+            time.sleep(0.001)
+
+    run_ranges(cutter, count, send)
+    assert count.tried[:3] == [4, 1, 4]
+    assert any(stream > 0 and tried >= 3 for stream, tried in used), used
