@@ -561,7 +561,7 @@ class SiteConfig:
         "direction: a transfer starts as one plain call (full speed on a LAN, never a "
         "second connection there); one that would still take > 5 s at its rate after "
         "1.2 s is cut where it stands and continues in ranges over 4, 16, 64 streams "
-        "while they raise the rate by > 50%; the next transfer starts at the count the "
+        "while they raise the rate by > 25%; the next transfer starts at the count the "
         "last one stayed at (an upload with none yet at its download's), and one in four "
         "tries fewer, so a link that got clean goes back to one call. 1: always one call "
         "(with BBR at the sender one stream is best); K: always K. A transfer under 4 MiB "
