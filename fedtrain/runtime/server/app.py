@@ -43,6 +43,7 @@ from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import RUN_COMPLETE_LEAVE, Coordinator, RoundCallback
+from fedtrain.runtime.server.grpc_log import quiet_peer_gone
 from fedtrain.runtime.server.heap import FrozenHeap
 from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
@@ -224,6 +225,7 @@ class AggregationServer:
 
     def start(self) -> int:
         """Listen, start the round loop and the watchdog; returns the bound port."""
+        quiet_peer_gone()
         self._loop_thread = LoopThread("fedtrain-loop")
         self._loop = self._loop_thread.start()
         try:
