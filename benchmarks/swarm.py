@@ -5,10 +5,10 @@ asyncio loop (`grpc.aio`, one channel and so one TCP connection per site, as rea
 sites have). Every site joins on its control stream, sends heartbeats at the interval
 the server asks for, and when instructed downloads the global model and uploads a
 known delta (a constant value per site, in the project's own chunk encoding) with a
-known weight. After the run the benchmark rebuilds the expected model from the
-uploads the server acknowledged (FedAvg: the weighted mean of the deltas, per round)
-and compares it with the server's `model.pt`, so the figures come with a check of the
-aggregate.
+known weight, on a connection of its own when the instruction says so. After the run
+the benchmark rebuilds the expected model from the uploads the server acknowledged
+(FedAvg: the weighted mean of the deltas, per round) and compares it with the server's
+`model.pt`, so the figures come with a check of the aggregate.
 
 Measured per swarm size: sites joined and joins refused, round times, the server's
 CPU per round and per site per round, its threads (idle and peak), peak RSS, its CPU
@@ -211,14 +211,13 @@ class SwarmSite:
                     model_version=instruction.model_version,
                 )
             )
-            call = stub.UploadUpdate()
-            await call.write(header)
-            await call.initial_metadata()  # the server's go-ahead, as a daemon waits for it
-            if not call.done():
-                for chunk in self._chunks(specs, welcome.chunk_bytes):
-                    await call.write(chunk)
-                await call.done_writing()
-            await call
+            if instruction.own_upload_connection:  # as a daemon obeys it
+                async with grpc.aio.insecure_channel(
+                    self.address, options=wire.channel_options(MESSAGE_BYTES)
+                ) as fresh:
+                    await self._upload(pb_grpc.FedtrainStub(fresh), header, specs, welcome)
+            else:
+                await self._upload(stub, header, specs, welcome)
             self.stats.uploads.append((instruction.round, self.index))
         except grpc.aio.AioRpcError as exc:
             self.stats.upload_errors.append(
@@ -227,6 +226,22 @@ class SwarmSite:
             )
         finally:
             self.stats.steps[step] -= 1
+
+    async def _upload(
+        self,
+        stub: pb_grpc.FedtrainStub,
+        header: pb.UpdateChunk,
+        specs: Sequence[Any],
+        welcome: pb.Welcome,
+    ) -> None:
+        call = stub.UploadUpdate()
+        await call.write(header)
+        await call.initial_metadata()  # the server's go-ahead, as a daemon waits for it
+        if not call.done():
+            for chunk in self._chunks(specs, welcome.chunk_bytes):
+                await call.write(chunk)
+            await call.done_writing()
+        await call
 
     def _chunks(self, specs: Sequence[Any], chunk_bytes: int) -> list[pb.UpdateChunk]:
         key = self.index % 13
