@@ -6,7 +6,8 @@ upload (no fedtrain code): the floor under the site swarm's memory figures.
 A grpc.aio server process; 4 client processes hold N connections (one long call each),
 then each connection moves one 400 KB message (64 at a time), then the server's RSS is
 read, and read again after `malloc_trim` (asked through an RPC). Extra server options
-as `OPTS=key=value,key=value` in the environment (integers).
+as `OPTS=key=value,key=value` in the environment (integers); `PIECES=N` sends each
+upload as N messages.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ async def _clients(port: int, count: int, mode: str, pipe: Any) -> None:
     pipe.send("connected")
     pipe.recv()
     payload, gate = b"y" * SIZE, asyncio.Semaphore(64)
+    piece = -(-SIZE // int(os.environ.get("PIECES", "1")))  # an upload in this many messages
 
     async def one(channel: Any) -> None:
         async def message() -> Any:
-            yield payload
+            for start in range(0, SIZE, piece):
+                yield payload[start : start + piece]
 
         async with gate:
             if mode == "up":

@@ -5,10 +5,10 @@ asyncio loop (`grpc.aio`, one channel and so one TCP connection per site, as rea
 sites have). Every site joins on its control stream, sends heartbeats at the interval
 the server asks for, and when instructed downloads the global model and uploads a
 known delta (a constant value per site, in the project's own chunk encoding) with a
-known weight. After the run the benchmark rebuilds the expected model from the
-uploads the server acknowledged (FedAvg: the weighted mean of the deltas, per round)
-and compares it with the server's `model.pt`, so the figures come with a check of the
-aggregate.
+known weight, on a connection of its own when the instruction says so. After the run
+the benchmark rebuilds the expected model from the uploads the server acknowledged
+(FedAvg: the weighted mean of the deltas, per round) and compares it with the server's
+`model.pt`, so the figures come with a check of the aggregate.
 
 Measured per swarm size: sites joined and joins refused, round times, the server's
 CPU per round and per site per round, its threads (idle and peak), peak RSS, its CPU
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -67,6 +68,10 @@ RETRY_MIN_S, RETRY_MAX_S = 1.0, 30.0
 SETTLE_S = 10.0
 #: The phases in which Status is timed (a round from its start to the next one's).
 ROUND_PHASES = ("training", "aggregating", "between_rounds")
+#: How often a swarm process freezes its heap (as the server does, runtime/server/heap.py):
+#: thousands of sites in one process made its full garbage collections stall all of them
+#: for ~0.5 s, a harness artefact real sites (one process each) do not have.
+FREEZE_EVERY_S = 5.0
 
 
 def site_value(index: int) -> float:
@@ -206,14 +211,13 @@ class SwarmSite:
                     model_version=instruction.model_version,
                 )
             )
-            call = stub.UploadUpdate()
-            await call.write(header)
-            await call.initial_metadata()  # the server's go-ahead, as a daemon waits for it
-            if not call.done():
-                for chunk in self._chunks(specs, welcome.chunk_bytes):
-                    await call.write(chunk)
-                await call.done_writing()
-            await call
+            if instruction.own_upload_connection:  # as a daemon obeys it
+                async with grpc.aio.insecure_channel(
+                    self.address, options=wire.channel_options(MESSAGE_BYTES)
+                ) as fresh:
+                    await self._upload(pb_grpc.FedtrainStub(fresh), header, specs, welcome)
+            else:
+                await self._upload(stub, header, specs, welcome)
             self.stats.uploads.append((instruction.round, self.index))
         except grpc.aio.AioRpcError as exc:
             self.stats.upload_errors.append(
@@ -222,6 +226,22 @@ class SwarmSite:
             )
         finally:
             self.stats.steps[step] -= 1
+
+    async def _upload(
+        self,
+        stub: pb_grpc.FedtrainStub,
+        header: pb.UpdateChunk,
+        specs: Sequence[Any],
+        welcome: pb.Welcome,
+    ) -> None:
+        call = stub.UploadUpdate()
+        await call.write(header)
+        await call.initial_metadata()  # the server's go-ahead, as a daemon waits for it
+        if not call.done():
+            for chunk in self._chunks(specs, welcome.chunk_bytes):
+                await call.write(chunk)
+            await call.done_writing()
+        await call
 
     def _chunks(self, specs: Sequence[Any], chunk_bytes: int) -> list[pb.UpdateChunk]:
         key = self.index % 13
@@ -248,7 +268,7 @@ async def _swarm(conn: Connection, address: str, fingerprint: str, indices: list
     stop = asyncio.Event()
     cache: dict[int, list[Any]] = {}
     sites = [SwarmSite(i, address, stats, cache) for i in indices]
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(_freeze_heap())]
     started = 0
     while True:
         command = await loop.run_in_executor(None, conn.recv)
@@ -272,6 +292,12 @@ async def _swarm(conn: Connection, address: str, fingerprint: str, indices: list
             return
 
 
+async def _freeze_heap() -> None:
+    while True:
+        await asyncio.sleep(FREEZE_EVERY_S)
+        gc.freeze()
+
+
 # -- the benchmark --------------------------------------------------------------------------
 @dataclass
 class SwarmRun:
@@ -280,7 +306,8 @@ class SwarmRun:
     refused_joins: int = 0
     rounds_done: int = 0
     round_seconds: list[float] = field(default_factory=list)
-    server_cpu_per_round_s: float | None = None
+    server_cpu_per_round_s: float | None = None  # from the first round's start to the last's end
+    swarm_cpu_per_round_s: float | None = None  # the swarm processes', same window
     threads_idle: int = 0
     threads_peak: int = 0
     rss_idle_mb: float = 0.0
@@ -302,7 +329,8 @@ class SwarmRun:
         per_site = f"{1000 * cpu / max(1, self.chosen_per_round):.2f}" if cpu else "-"
         return (
             f"| {self.sites} | {self.joined} | {self.refused_joins} | {self.rounds_done} | {times} "
-            f"| {cpu if cpu is None else round(cpu, 2)} | {per_site} | {self.threads_idle} / "
+            f"| {cpu if cpu is None else round(cpu, 2)} | {per_site} "
+            f"| {_secs(self.swarm_cpu_per_round_s)} | {self.threads_idle} / "
             f"{self.threads_peak} | {self.rss_idle_mb:.0f} / {self.rss_peak_mb:.0f} | "
             f"{_pct(self.idle_cpu_pct)} | "
             f"{_secs(self.status_max_s)} | {_secs(self.local_status_max_s)} | {self.dropped} | "
@@ -325,10 +353,11 @@ def _err(v: float | None) -> str:
 
 HEADER = (
     "| sites | joined | joins refused | rounds | round s (min-max) | server CPU s/round | "
-    "server CPU ms/site/round | threads idle / peak | RSS idle / peak MB | idle CPU (one core) | "
+    "server CPU ms/site/round | swarm CPU s/round | threads idle / peak | RSS idle / peak MB | "
+    "idle CPU (one core) | "
     "Status max s in a round (port) | Status max s in a round (socket) | dropped | "
     "aggregate max error | note |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -405,7 +434,9 @@ def run_swarm(
         result.idle_cpu_pct = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / idle_s
         pipes[-1].send(("join", len(shares[-1])))
         pipes[-1].recv()
+        swarm = [psutil.Process(w.pid) for w in workers]
         cpu_start = cpu_last = sum(proc.cpu_times()[:2])
+        swarm_start = swarm_last = _cpu(swarm)
         socket = socket_address(run_dir)
         status_times: list[float] = []
         local_times: list[float] = []
@@ -416,7 +447,8 @@ def run_swarm(
             with contextlib.suppress(psutil.Error):
                 result.threads_peak = max(result.threads_peak, proc.num_threads())
                 peak_rss = max(peak_rss, proc.memory_info().rss)
-                cpu_last = sum(proc.cpu_times()[:2])
+                if len(_read_jsonl(run_dir / "metrics.jsonl")) < rounds:  # not the run's end
+                    cpu_last, swarm_last = sum(proc.cpu_times()[:2]), _cpu(swarm)
             if time.monotonic() - last_progress > 30.0:  # where the sites are, on stderr
                 last_progress = time.monotonic()
                 print(f"  {sites} sites: {_steps(pipes)}", file=sys.stderr, flush=True)
@@ -442,6 +474,7 @@ def run_swarm(
             result.chosen_per_round = int(np.mean([m["selected"] for m in metrics]))
         if metrics:
             result.server_cpu_per_round_s = (cpu_last - cpu_start) / len(metrics)
+            result.swarm_cpu_per_round_s = (swarm_last - swarm_start) / len(metrics)
     finally:
         stats = _stop(pipes, workers)
         _stop_server(server)
@@ -528,6 +561,10 @@ def _stop_server(server: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def _cpu(processes: Sequence[psutil.Process]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:

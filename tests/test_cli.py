@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from fedtrain import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,20 +46,37 @@ def test_simulate_breast_cancer_from_the_cli(tmp_path):
     assert (run / "model.pt").stat().st_size > 0
 
 
+BAD_CONFIGS = {
+    'task = "fedtrain.examples:DigitsTask"\nroundz = 3\n': "unknown key roundz",
+    'task = "fedtrain.examples:DigitsTask"\nrounds = "3"\n': "rounds = '3' should be int",
+    "rounds = 3\n": "missing required key task",
+    'task = "fedtrain.examples:DigitsTask"\n[partition]\nalpha = "x"\n': "partition.alpha",
+}
+
+
 def test_bad_config_fails_with_the_key_named(tmp_path):
-    cases = {
-        'task = "fedtrain.examples:DigitsTask"\nroundz = 3\n': "unknown key roundz",
-        'task = "fedtrain.examples:DigitsTask"\nrounds = "3"\n': "rounds = '3' should be int",
-        "rounds = 3\n": "missing required key task",
-        'task = "fedtrain.examples:DigitsTask"\n[partition]\nalpha = "x"\n': "partition.alpha",
-    }
-    for text, message in cases.items():
-        path = tmp_path / "sim.toml"
-        path.write_text(text)
-        out = fedtrain("simulate", "--config", str(path), cwd=tmp_path)
-        assert out.returncode == 2, (text, out.stderr)
-        assert message in out.stderr
-        assert "Traceback" not in out.stderr
+    """One case as a user runs it (exit status 2, no traceback); the others through
+    the same `main` in this process (a subprocess each cost ~3 s of imports)."""
+    (first, message), *others = BAD_CONFIGS.items()
+    path = tmp_path / "sim.toml"
+    path.write_text(first)
+    out = fedtrain("simulate", "--config", str(path), cwd=tmp_path)
+    assert out.returncode == 2, (first, out.stderr)
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level  # `main` sets up logging its way
+    try:
+        for text, message in others:
+            path.write_text(text)
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr):
+                assert cli.main(["simulate", "--config", str(path)]) == 2, text
+            assert message in stderr.getvalue()
+            assert "Traceback" not in stderr.getvalue()
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 def test_report_from_the_cli(tmp_path):

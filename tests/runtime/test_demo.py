@@ -83,6 +83,7 @@ def _kill_when_round_starts(run_dir: Path, server_round: int, site: str) -> int:
     raise AssertionError(f"no running daemon for {site}")
 
 
+@pytest.mark.slow  # long scenario (20-33 s): run with -m slow
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_the_demo_completes_its_rounds_when_a_site_is_killed_mid_round(tmp_path: Path) -> None:

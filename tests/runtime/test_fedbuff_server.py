@@ -562,6 +562,7 @@ def test_a_download_the_site_reads_slowly_is_not_cut(tmp_path, stop_after) -> No
     assert _cuts(server) == []
 
 
+@pytest.mark.slow  # long scenario (20-33 s): run with -m slow
 def test_a_site_that_never_reads_its_cut_downloads_cannot_pile_them_up(
     tmp_path, stop_after
 ) -> None:

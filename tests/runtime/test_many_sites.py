@@ -240,6 +240,7 @@ def test_one_connection_holds_at_most_sixteen_calls_and_the_next_waits_its_turn(
         server.stop()
 
 
+@pytest.mark.slow  # long scenario (20-33 s): run with -m slow
 @pytest.mark.timeout(180)
 def test_calls_that_queue_long_for_a_busy_server_are_all_served_not_cancelled(
     tmp_path: Path,

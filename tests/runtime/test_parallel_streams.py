@@ -348,12 +348,15 @@ def _flat_run(
     num_params: int = 200_000,
     link: Callable[[int], SlowLink] | None = None,
     dialled: list[object] | None = None,
+    inspect: Callable[[Any], None] = lambda _: None,
+    **server_options: Any,
 ) -> ModelState:
     """Two rounds of the deterministic benchmark task (800 KB, 64 KiB chunks) with a
     real site daemon using `streams` parallel streams (None: site.toml's default; with
     `pki`: over TLS; with `link`: through that slow link; `dialled` gets each parallel
     stream's connection the daemon dials); the final global model (one site: two
-    sites' updates may fold in either order, which is not bit-stable)."""
+    sites' updates may fold in either order, which is not bit-stable). `inspect(server)`
+    sees the started server before the site joins; `server_options` go into its config."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.flat_task import FlatTask
 
@@ -366,8 +369,10 @@ def _flat_run(
         rounds=2,
         chunk_bytes=64 * 1024,
         pki=pki,
+        **server_options,
     )
     stop_after.append(server)
+    inspect(server)
     port = server.port
     if link is not None:  # the site dials the server through it
         proxy = link(server.port).__enter__()

@@ -366,6 +366,7 @@ def test_a_site_late_but_moving_at_its_rate_is_not_dropped(tmp_path, stop_after)
     ]
 
 
+@pytest.mark.slow  # long scenario (20-33 s): run with -m slow
 @pytest.mark.integration
 @pytest.mark.timeout(240)
 def test_a_site_whose_link_degrades_is_dropped_at_its_own_deadline_in_a_real_deployment(

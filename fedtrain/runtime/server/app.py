@@ -43,10 +43,11 @@ from fedtrain.runtime.peer_auth import PeerVerifier
 from fedtrain.runtime.secagg_identity import CertificateVerifier
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.coordinator import RUN_COMPLETE_LEAVE, Coordinator, RoundCallback
+from fedtrain.runtime.server.grpc_log import quiet_peer_gone
 from fedtrain.runtime.server.heap import FrozenHeap
 from fedtrain.runtime.server.local_status import LocalStatus
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
-from fedtrain.runtime.server.sessions import Session, SessionRegistry
+from fedtrain.runtime.server.sessions import FILES_RESERVED, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.server.transfer_watch import TICK_S as TRANSFER_TICK_S
 from fedtrain.runtime.server.transfer_watch import TransferWatch
@@ -61,10 +62,6 @@ log = logging.getLogger(__name__)
 #: socket says so, which fails a liveness probe.
 LOOP_TICK_S = 1.0
 LOOP_STALL_S = 60.0
-
-#: File descriptors kept free of site connections: logs, the audit log, checkpoints,
-#: gRPC's own, the metrics endpoint (each transfer in flight may add a journal file).
-FILES_RESERVED = 64
 
 
 def raise_file_limit() -> int:
@@ -224,6 +221,7 @@ class AggregationServer:
 
     def start(self) -> int:
         """Listen, start the round loop and the watchdog; returns the bound port."""
+        quiet_peer_gone()
         self._loop_thread = LoopThread("fedtrain-loop")
         self._loop = self._loop_thread.start()
         try:

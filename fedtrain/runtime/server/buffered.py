@@ -51,7 +51,12 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.rounds import Outcome, UploadRefused, refuse_second_upload
-from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct
+from fedtrain.runtime.server.sessions import (
+    Session,
+    SessionRegistry,
+    instruct,
+    own_upload_connections,
+)
 from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate, Strategy
 from fedtrain.strategy.aggregate import Aggregator
@@ -269,7 +274,16 @@ class BufferedRounds:
         )
         self.jobs[session.site] = job
         config = self.strategy.job_config(job.number, model.round, session.site)
-        instruct(session, job.number, model.version, config, time.time() + self.timeout_s)
+        instruct(
+            session,
+            job.number,
+            model.version,
+            config,
+            time.time() + self.timeout_s,
+            own_upload_connection=own_upload_connections(
+                self.coordinator.config, self.coordinator.registry
+            ),
+        )
         log.debug("job %d: site %r trains from version %d", job.number, session.site, model.round)
         self._cond.notify_all()  # the coordinator thread watches its deadline
 

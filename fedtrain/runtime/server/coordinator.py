@@ -54,7 +54,13 @@ from fedtrain.runtime.server.links import SKIPS_BEFORE_WARNING, LinkEstimates
 from fedtrain.runtime.server.rounds import Outcome, RoundState, RoundSummary
 from fedtrain.runtime.server.secure_evaluation import SecureEvaluation
 from fedtrain.runtime.server.secure_round import SecureRoundState
-from fedtrain.runtime.server.sessions import Session, SessionRegistry, instruct, summarize_sites
+from fedtrain.runtime.server.sessions import (
+    Session,
+    SessionRegistry,
+    instruct,
+    own_upload_connections,
+    summarize_sites,
+)
 from fedtrain.runtime.server.site_deadlines import SiteDeadlines
 from fedtrain.secagg.settings import require_sum_only
 from fedtrain.secagg.updates import UpdateLayout
@@ -464,6 +470,7 @@ class Coordinator:
             participants=sorted(plan),
             model_version=model.version,
         )
+        own_uploads = own_upload_connections(self.config, self.registry)
         for session in sessions.values():
             if session is None:
                 continue
@@ -478,6 +485,7 @@ class Coordinator:
                 plan[session.site],
                 deadline_unix,
                 secagg=isinstance(state, SecureRoundState),
+                own_upload_connection=own_uploads,
             )
         if isinstance(state, SecureRoundState):
             state.start()  # key agreement runs while the sites download and train
@@ -991,7 +999,8 @@ class Coordinator:
             state.round,
             state.model_version,
             state.plan[session.site],
-            state.deadline_unix,  # the same instruction, byte for byte
+            state.deadline_unix,  # the same instruction (its connection choice: as sites are now)
+            own_upload_connection=own_upload_connections(self.config, self.registry),
         )
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:

@@ -894,8 +894,7 @@ class FedtrainServicer:
             if header.resume_id:
                 held = await self._run(self.held.claim, header.resume_id, session, header, state)
             else:
-                await self._run(self._restart, session.site)
-                await self._run(state.admit, session, header.round, header.model_version)
+                await self._run(self._restart_and_admit, state, session, header)
         except UploadRefused as exc:
             await self._refuse(context, session, header.round, exc.code, str(exc))
         assert state is not None
@@ -1118,13 +1117,16 @@ class FedtrainServicer:
         self.held.add(held)
         return held
 
-    def _restart(self, site: str) -> None:
-        """A new upload from `site`: one it left broken off is discarded (the site lost
-        its id, or restarts on purpose); one still streaming stays, and the round's
-        admission refuses the second."""
-        held = self.held.of_site(site)
+    def _restart_and_admit(
+        self, state: RoundState | BufferedRounds, session: Session, header: pb.UploadHeader
+    ) -> None:
+        """A new upload (one trip to the pool): one the site left broken off is
+        discarded (the site lost its id, or restarts on purpose); one still streaming
+        stays, and the round's admission refuses the second."""
+        held = self.held.of_site(session.site)
         if held is not None and not held.attached:
             self.discard(held, "the site started a new upload")
+        state.admit(session, header.round, header.model_version)
 
     def discard(self, held: HeldUpload, reason: str, by: Any = None) -> None:
         """Throw an upload away (on the pool): out of the round's sum and off the disk,
@@ -1363,11 +1365,15 @@ class FedtrainServicer:
                 f"server keeps them for upload_grace_s ({self.held.grace_s:g}s): resume the "
                 "upload to send the rest"
             )
-        with meter.on_server():
-            if not await self._run(held.finish, lane, generation):
+
+        def finish() -> bool:  # one trip to the pool for the last range and the fold
+            if not held.finish(lane, generation):
                 return False  # the other streams' ranges are still on their way
-            await self._run(commit)
-        return True
+            commit()
+            return True
+
+        with meter.on_server():
+            return await self._run(finish)
 
     async def _chunks(
         self,

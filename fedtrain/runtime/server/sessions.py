@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import secrets
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedtrain.runtime import wire
+from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.strategy import RoundConfig
 
@@ -39,6 +41,11 @@ def new_session_token() -> str:
     site's name), hence `secrets` rather than a seeded generator.
     """
     return secrets.token_hex(16)
+
+
+#: File descriptors kept free of site connections: logs, the audit log, checkpoints,
+#: gRPC's own, the metrics endpoint (each transfer in flight may add a journal file).
+FILES_RESERVED = 64
 
 
 @dataclass(eq=False)
@@ -134,6 +141,7 @@ def instruct(
     *,
     secagg: bool = False,
     kind: pb.InstructionKind = pb.TRAIN,
+    own_upload_connection: bool = False,
 ) -> None:
     """Push an instruction (TRAIN, or EVALUATE) onto the site's control stream."""
     instruction = pb.Instruction(
@@ -142,9 +150,23 @@ def instruct(
         model_version=model_version,
         deadline_unix=deadline_unix,
         secagg=secagg,
+        own_upload_connection=own_upload_connection,
     )
     wire.config_to_proto(config, instruction.config)
     session.send(pb.ServerMessage(instruction=instruction))
+
+
+def own_upload_connections(config: ServerConfig, registry: SessionRegistry) -> bool:
+    """Whether TRAIN instructions ask for updates on connections of their own now
+    (`transfers.own_upload_connection_sites`: 0 never, else from that many sites on),
+    as long as the file limit has room for every connected site to hold a second
+    connection (one waiting for a transfer slot holds it too)."""
+    connected = len(registry)
+    if not 0 < config.transfers.own_upload_connection_sites <= connected:
+        return False
+    files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    needed = 2 * connected + FILES_RESERVED + config.max_transfers
+    return files == resource.RLIM_INFINITY or needed <= files
 
 
 class AtCapacity(Exception):

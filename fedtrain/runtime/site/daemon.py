@@ -21,6 +21,7 @@ seconds per round otherwise; a failed group round fails that round only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -239,6 +240,27 @@ class Link:
         except (grpc.RpcError, FedtrainError) as exc:
             log.warning("a parallel stream shares the control connection: %s", exc)
             return StreamConnection(self.channel)
+
+    @contextlib.contextmanager
+    def own_connection(self) -> Iterator[Callable[[int], grpc.Channel]]:
+        """Channels for one transfer on a connection of its own, closed after it
+        (Instruction.own_upload_connection): each call, i.e. each attempt after an
+        outage, dials a fresh connection and closes the one before."""
+        held: list[StreamConnection] = []
+
+        def channel(number: int) -> grpc.Channel:
+            while held:
+                held.pop().close()
+            if self.dial is None:
+                return self.channel
+            held.append(self._dial())
+            return held[-1].channel
+
+        try:
+            yield channel
+        finally:
+            while held:
+                held.pop().close()
 
     def close_channels(self) -> None:
         """Close the parallel streams' connections (they are dialled again when needed)."""
@@ -744,7 +766,9 @@ class SiteDaemon:
                 header = _plain_header(link, instruction, result)
                 chunks = update_chunks(link, local, global_state)
                 header.codec = link.codec.name
-            receipt = self._upload(link, header, chunks, deadline)
+            receipt = self._upload(
+                link, header, chunks, deadline, own_connection=instruction.own_upload_connection
+            )
             clock.mark("upload")
             if receipt.notice:  # the server's weight policy clipped this site's weight
                 log.warning("round %d: the server says: %s", server_round, receipt.notice)
@@ -1129,12 +1153,15 @@ class SiteDaemon:
         header: pb.UploadHeader,
         chunks: Callable[[], Iterator[Chunk]],
         deadline_unix: float = 0.0,
+        *,
+        own_connection: bool = False,
     ) -> pb.UploadReceipt:
         """Send an update: `chunks()` makes its chunks (again for each stream). A plain
         update of `UpdateChunks` may go over parallel streams, a range each (see
         `streams.py`), from the start or once the automatic count cut its plain call;
         a masked one goes over one (the server folds its chunks into the secure sum in
-        order)."""
+        order). `own_connection`: a plain call goes on a connection of its own, closed
+        after it (parallel streams have theirs anyway)."""
         ranged = isinstance(chunks, UpdateChunks) and not header.masked
         count = StreamCount.fixed(1)
         if isinstance(chunks, UpdateChunks) and not header.masked:
@@ -1145,10 +1172,15 @@ class SiteDaemon:
         else:
             shared = SharedUpload()
             in_flight = chunks.chunk_bytes if isinstance(chunks, UpdateChunks) else 0
+            if own_connection:
+                log.debug("round %d: uploading on a connection of its own", header.round)
             try:
-                with CallSwitch(count, in_flight) as switch:
+                with (
+                    link.own_connection() if own_connection else contextlib.nullcontext() as via,
+                    CallSwitch(count, in_flight) as switch,
+                ):
                     receipt = self._upload_range(
-                        link, 0, header, chunks, shared, deadline_unix, count.moved, switch
+                        link, 0, header, chunks, shared, deadline_unix, count.moved, switch, via
                     )
             except _CallCut as cut:
                 assert ranged and isinstance(chunks, UpdateChunks)
@@ -1258,6 +1290,7 @@ class SiteDaemon:
         deadline_unix: float,
         moved: Callable[[int], None] | None = None,
         switch: CallSwitch | None = None,
+        via: Callable[[int], grpc.Channel] | None = None,
     ) -> pb.UploadReceipt:
         """Send one stream's range of an update (the whole of it without a range) on
         parallel stream `number`'s channel; `moved(bytes)` after each chunk gRPC took
@@ -1271,7 +1304,7 @@ class SiteDaemon:
         def attempt() -> pb.UploadReceipt:
             header.resume_id = shared.id
             header.session_token = link.token
-            upload = link.stream_channel(number).stream_unary(
+            upload = (via or link.stream_channel)(number).stream_unary(
                 wire.method_path("UploadUpdate"),
                 request_serializer=wire.serialize_stream_item,
                 response_deserializer=pb.UploadReceipt.FromString,

@@ -1,0 +1,106 @@
+"""Updates on connections of their own once many sites are connected
+(`transfers.own_upload_connection_sites`, Instruction.own_upload_connection).
+
+gRPC keeps each server connection's read buffers sized by the largest message it
+carried, so a server of thousands of sites asks each for its update on a connection
+closed after it. The server decides from the number of sites connected when it
+instructs; a real daemon obeys, over TLS too (the connection joins the session first),
+and the run ends with the model of updates sent on the control connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+from typing import Any
+
+import pytest
+from runtime_support import FakeSite, TinyTask, inprocess_server
+from test_parallel_streams import _flat_run
+
+from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.task import task_fingerprint
+
+
+@pytest.mark.parametrize(("threshold", "asked"), [(3, True), (2, True), (4, False), (0, False)])
+def test_the_server_asks_for_own_connections_from_the_configured_number_of_sites(
+    tmp_path, stop_after, threshold, asked
+) -> None:
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, sites=3, transfers={"own_upload_connection_sites": threshold}
+    )
+    stop_after.append(server)
+    fingerprint = task_fingerprint(task)
+    sites = [FakeSite(server.port, f"s{i}", fingerprint) for i in range(3)]
+    try:
+        for site in sites:
+            instruction = site.expect("instruction").instruction
+            assert instruction.kind == pb.TRAIN
+            assert instruction.own_upload_connection is asked
+    finally:
+        for site in sites:
+            site.outbox.put(None)
+            site.channel.close()
+
+
+def _attached(server: Any, peers: list[str]) -> None:
+    """Record every connection that joins a session to carry its transfers."""
+    add = server.registry.add_connection
+
+    def recording(session: Any, peer: str) -> bool:
+        peers.append(peer)
+        return add(session, peer)
+
+    server.registry.add_connection = recording
+
+
+@pytest.mark.integration
+def test_a_daemon_sends_each_update_on_a_fresh_connection_and_ends_with_the_same_model(
+    tmp_path, stop_after, caplog
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="fedtrain.runtime.site.daemon")
+    own = _flat_run(tmp_path / "own", stop_after, 1, transfers={"own_upload_connection_sites": 1})
+    assert caplog.text.count("uploading on a connection of its own") == 2  # both rounds
+    caplog.clear()
+    control = _flat_run(tmp_path / "control", stop_after, 1)
+    assert "uploading on a connection of its own" not in caplog.text
+    assert own.equal(control)
+
+
+@pytest.mark.integration
+def test_with_tls_each_update_connection_proves_the_session_first(
+    pki, tmp_path, stop_after, caplog
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="fedtrain.runtime.site.daemon")
+    peers: list[str] = []
+    own = _flat_run(
+        tmp_path / "own",
+        stop_after,
+        1,
+        pki,
+        inspect=lambda server: _attached(server, peers),
+        transfers={"own_upload_connection_sites": 1},
+    )
+    assert len(peers) == 2 and len(set(peers)) == 2, peers  # one new connection per update
+    assert "shares the control connection" not in caplog.text
+    assert own.equal(_flat_run(tmp_path / "control", stop_after, 1, pki))
+
+
+def test_no_own_connections_where_the_file_limit_has_no_room_for_a_second_per_site(
+    monkeypatch,
+) -> None:
+    from fedtrain.config import from_dict
+    from fedtrain.runtime.config import ServerConfig
+    from fedtrain.runtime.server import sessions
+
+    config = from_dict(
+        ServerConfig,
+        {"task": "x:Y", "max_transfers": 8, "transfers": {"own_upload_connection_sites": 100}},
+    )
+    connected = [None] * 1000  # what the policy reads of the registry: its length
+    room = 2 * 1000 + sessions.FILES_RESERVED + 8
+    for limit, asked in ((room, True), (room - 1, False), (resource.RLIM_INFINITY, True)):
+        monkeypatch.setattr(sessions.resource, "getrlimit", lambda _, limit=limit: (limit, limit))
+        assert sessions.own_upload_connections(config, connected) is asked, limit
+    assert not sessions.own_upload_connections(config, connected[:99])
