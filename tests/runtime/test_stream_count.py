@@ -71,6 +71,11 @@ def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() 
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
     assert count.tried[:5] == [1, 4, 16, 64, 16] and count.current == 16
     assert set(count.tried[5:]) <= {16, 64}  # probed again now and then: no gain
+    start, known = count.next_start()
+    assert start == 16 and known is not None
+    following = _auto(clock, 20 << 20, start, known=known)  # 64 gained nothing: not again
+    _transfer(following, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 20 << 20)
+    assert following.tried == [16]
     full = _auto(clock, 200 << 20)  # a link 64 flows do not fill: all 64 stay
     _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
     assert full.tried == [1, 4, 16, 64] and full.settled

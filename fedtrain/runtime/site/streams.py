@@ -232,6 +232,11 @@ class StreamCount:
         self._moved = 0
         self._best = (self.current, 0.0)  # (count, its rate)
         self._descend = descend and self.current > 1
+        #: Whether the count went back to the best one after a step that did not pay.
+        self._held_back = False
+        if known is not None and self.current > 1 and not self._descend:
+            # the previous transfer took back the step above `start`: no probe at once
+            self.settled, self._best, self._held_back = True, (self.current, known), True
         #: The rate one stream had in the previous transfer when more gained nothing:
         #: a plain call that moves about as fast does not switch (see `next_start`).
         self._known = known
@@ -341,9 +346,9 @@ class StreamCount:
                 return
         elif self.current != best_count and rate <= best_rate * (1 + GAIN):
             # the streams added last did not pay: back to the best count, for good
-            self.current, self.settled = best_count, True
+            self.current, self.settled, self._held_back = best_count, True, True
         else:
-            self._best = (self.current, rate)
+            self._best, self._held_back = (self.current, rate), False
             if self.current >= self.limit:
                 self.settled = True
                 return
@@ -367,9 +372,11 @@ class StreamCount:
     def next_start(self) -> tuple[int, float | None]:
         """Where the next transfer in this direction starts (its `start`, `known`): at the
         count this one stayed at (the best measured one, if it ended mid-probe), so that
-        a lossy link's many streams are not probed for anew; at one stream, a plain call,
-        where one moved as fast as more (then with its rate: the next call does not
-        switch while it moves about as fast, so a clean link pays no probe each time)."""
+        a lossy link's many streams are not probed for anew, with its rate where more
+        streams were tried and did not pay (the next does not try them again before
+        REPROBE_S); at one stream, a plain call, where one moved as fast as more (then
+        with its rate: the next call does not switch while it moves about as fast, so a
+        clean link pays no probe each time)."""
         count, rate = self._best
         if self.current == 1:
             if self._as_before:
@@ -379,6 +386,8 @@ class StreamCount:
             return 1, None
         if not self.settled and rate > 0:
             return count, None
+        if self.settled and self._held_back and rate > 0:
+            return self.current, rate
         return self.current, None
 
     def describe(self) -> str:
