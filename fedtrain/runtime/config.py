@@ -115,8 +115,9 @@ class TransfersConfig:
         "sized by the largest message it carried: at 10,000 sites the control connections "
         "that had carried an update held the server's RSS ~550 MB higher after 10 rounds. "
         "Below it updates go on the site's control connection, whose congestion window is "
-        "already open (a new connection costs a long link its handshakes and slow start). "
-        "0: never.",
+        "already open (a new connection costs a long link its handshakes and slow start), "
+        "and so they do while the file limit has no room for a second connection per "
+        "training site. 0: never.",
     )
 
     def __post_init__(self) -> None:

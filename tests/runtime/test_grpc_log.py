@@ -28,8 +28,11 @@ def _log_error(error: BaseException) -> None:
 
 @pytest.fixture
 def peer_gone():
+    """A filter of this test's own (servers started earlier in this process installed
+    one that may have counted real hang-ups)."""
     logger = logging.getLogger(GRPC_LOGGER)
     before = list(logger.filters)
+    logger.filters[:] = [f for f in before if not isinstance(f, PeerGoneFilter)]
     yield quiet_peer_gone()
     logger.filters[:] = before
 

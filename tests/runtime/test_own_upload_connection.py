@@ -87,7 +87,7 @@ def test_with_tls_each_update_connection_proves_the_session_first(
     assert own.equal(_flat_run(tmp_path / "control", stop_after, 1, pki))
 
 
-def test_no_own_connections_where_the_file_limit_has_no_room_for_a_second_per_site(
+def test_no_own_connections_where_the_file_limit_has_no_room_for_the_training_sites(
     monkeypatch,
 ) -> None:
     from fedtrain.config import from_dict
@@ -98,9 +98,8 @@ def test_no_own_connections_where_the_file_limit_has_no_room_for_a_second_per_si
         ServerConfig,
         {"task": "x:Y", "max_transfers": 8, "transfers": {"own_upload_connection_sites": 100}},
     )
-    connected = [None] * 1000  # what the policy reads of the registry: its length
-    room = 2 * 1000 + sessions.FILES_RESERVED + 8
+    room = 1000 + 300 + sessions.FILES_RESERVED + 8  # 1,000 sites connected, 300 training
     for limit, asked in ((room, True), (room - 1, False), (resource.RLIM_INFINITY, True)):
         monkeypatch.setattr(sessions.resource, "getrlimit", lambda _, limit=limit: (limit, limit))
-        assert sessions.own_upload_connections(config, connected) is asked, limit
-    assert not sessions.own_upload_connections(config, connected[:99])
+        assert sessions.own_upload_connections(config, 1000, 300) is asked, limit
+    assert not sessions.own_upload_connections(config, 99, 50)

@@ -281,7 +281,7 @@ class BufferedRounds:
             config,
             time.time() + self.timeout_s,
             own_upload_connection=own_upload_connections(
-                self.coordinator.config, self.coordinator.registry
+                self.coordinator.config, len(self.coordinator.registry), len(self.jobs)
             ),
         )
         log.debug("job %d: site %r trains from version %d", job.number, session.site, model.round)

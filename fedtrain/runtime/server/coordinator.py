@@ -470,7 +470,7 @@ class Coordinator:
             participants=sorted(plan),
             model_version=model.version,
         )
-        own_uploads = own_upload_connections(self.config, self.registry)
+        own_uploads = own_upload_connections(self.config, len(self.registry), len(plan))
         for session in sessions.values():
             if session is None:
                 continue
@@ -1000,7 +1000,9 @@ class Coordinator:
             state.model_version,
             state.plan[session.site],
             state.deadline_unix,  # the same instruction (its connection choice: as sites are now)
-            own_upload_connection=own_upload_connections(self.config, self.registry),
+            own_upload_connection=own_upload_connections(
+                self.config, len(self.registry), len(state.plan)
+            ),
         )
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:

@@ -156,16 +156,15 @@ def instruct(
     session.send(pb.ServerMessage(instruction=instruction))
 
 
-def own_upload_connections(config: ServerConfig, registry: SessionRegistry) -> bool:
+def own_upload_connections(config: ServerConfig, connected: int, training: int) -> bool:
     """Whether TRAIN instructions ask for updates on connections of their own now
-    (`transfers.own_upload_connection_sites`: 0 never, else from that many sites on),
-    as long as the file limit has room for every connected site to hold a second
-    connection (one waiting for a transfer slot holds it too)."""
-    connected = len(registry)
+    (`transfers.own_upload_connection_sites`: 0 never, else from that many sites
+    `connected` on), as long as the file limit has room for a second connection for
+    each of the `training` sites (one waiting for a transfer slot holds it too)."""
     if not 0 < config.transfers.own_upload_connection_sites <= connected:
         return False
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    needed = 2 * connected + FILES_RESERVED + config.max_transfers
+    needed = connected + training + FILES_RESERVED + config.max_transfers
     return files == resource.RLIM_INFINITY or needed <= files
 
 
