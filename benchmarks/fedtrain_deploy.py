@@ -455,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="server.toml upload_memory_mb (default: the server's default)",
     )
+    parser.add_argument(
+        "--streams",
+        type=int,
+        default=None,
+        help="sites' site.toml transfer_streams (default: the site's default, automatic)",
+    )
     args = parser.parse_args(argv)
     own_tmp = args.workdir is None
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="fedtrain_deploy_"))
@@ -468,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         server_options={}
         if args.upload_memory_mb is None
         else {"upload_memory_mb": args.upload_memory_mb},
+        site_options=None if args.streams is None else {"transfer_streams": args.streams},
     )
     if result["ok"] and own_tmp and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -570,17 +570,20 @@ class SiteConfig:
         "holds). [] : always the model in its own dtypes (exact, more bytes).",
     )
     transfer_streams: int = option(
-        1,
+        0,
         "Parallel streams (separate connections to the server) per model download and "
         "update upload: K flows keep a lossy, long link busy where one TCP flow collapses "
         "(at 1% loss and 40 ms one cubic flow moves ~3 Mbit/s; 64 reached 68% of a "
-        "100 Mbit/s link where one reached 3%), but on a clean link, a fast LAN or with BBR "
-        "one is better (ranges cost CPU per chunk: a 400 MB model on loopback moved 3-4x "
-        "slower over ranges). 0: automatic, for lossy links, per transfer and direction: "
-        "from one stream, four times more while more streams raise the measured rate by "
-        "> 50%, up to 64; a transfer under 4 MiB uses one (site/streams.py; "
-        "benchmarks/RESULTS.md, 'WAN: parallel streams'). Masked (secure aggregation) "
-        "uploads always use one.",
+        "100 Mbit/s link where one reached 3%). 0 (default): automatic, per transfer and "
+        "direction: a transfer starts as one plain call (full speed on a LAN, never a "
+        "second connection there); one that would still take > 5 s at its rate after "
+        "1.2 s is cut where it stands and continues in ranges over 4, 16, 64 streams "
+        "while they raise the rate by > 25%; the next transfer starts at the count the "
+        "last one stayed at (an upload with none yet at its download's), and one in four "
+        "tries fewer, so a link that got clean goes back to one call. 1: always one call "
+        "(with BBR at the sender one stream is best); K: always K. A transfer under 4 MiB "
+        "uses one (site/streams.py; benchmarks/RESULTS.md, 'WAN: parallel streams'). "
+        "Masked (secure aggregation) uploads always use one.",
     )
     data: DataConfig = section(DataConfig, "Which data this site trains on.")
     reconnect: ReconnectConfig = section(ReconnectConfig, "Backoff when the server is away.")

@@ -34,7 +34,9 @@ from fedtrain.tensors import Chunk, ModelState, TensorSpec
 #: 5: a secure evaluation's masked vector carries the personalized figures (7 values).
 #: 6: transfers may use parallel streams, each carrying a range (UploadHeader.range_start,
 #: range_end, UploadReceipt.partial; ModelRequest.end).
-PROTOCOL_VERSION = 6
+#: 7: a resumed upload range may end sooner than it was opened (a site's plain call cut
+#: for parallel streams: `server/resumable.py`); a version-6 server refuses that.
+PROTOCOL_VERSION = 7
 #: Room for a chunk's header (name, dtype, shape, offset) on top of its raw bytes.
 HEADER_ALLOWANCE = 64 * 1024
 #: Join capability of a site that speaks secure aggregation (a secagg server requires it).

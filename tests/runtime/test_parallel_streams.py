@@ -31,7 +31,7 @@ from runtime_support import (
     wait_for,
 )
 from slow_link import SlowLink
-from test_upload_resume import _audit, _delta, _sites
+from test_upload_resume import _audit, _break_after, _delta, _sites
 
 from fedtrain.config import from_dict
 from fedtrain.runtime import wire
@@ -187,6 +187,40 @@ def test_a_broken_stream_resumes_only_its_own_range(tmp_path, stop_after) -> Non
     assert resumes == [offset, offset]
 
 
+def test_a_plain_call_cut_for_streams_ends_its_range_where_the_server_holds_it(
+    tmp_path, stop_after
+) -> None:
+    """A site cuts its plain call (no range) for parallel streams: resumed, its range may
+    end sooner, but not before what the server holds; ranges of their own take the rest
+    and the update folds bit for bit like one unbroken upload."""
+    server, version, a, b, c = _sites(
+        tmp_path, stop_after, ("alpha", "beta", "gamma"), rounds=1, strategy={"min_fit_clients": 2}
+    )
+    da, db = _delta(server, 1), _delta(server, 2)
+    first = a.header(1, num_examples=10, model_version=version)
+    chunks = chunk_messages(da.chunks(CHUNK))
+    assert len(chunks) >= 4
+    upload_id = _break_after(server, a, first, chunks, 2)  # the cut call
+    held = sum(len(m.chunk.data) for m in chunks[:2])
+    with pytest.raises(grpc.RpcError) as info:  # its range cannot end before what it holds
+        a.upload([_ranged(first, 0, held - len(chunks[1].chunk.data), upload_id)])
+    assert "holds" in info.value.details()
+    ended, told = _open_range(a.stub, _ranged(first, 0, held, upload_id), [])
+    assert int(told[wire.UPLOAD_OFFSET]) == held
+    assert ended.result(timeout=30).partial  # its range is in, and ends there
+    connections = Connections(server.port, 2)
+    stop_after.append(connections)
+    ranges = wire.chunk_ranges([len(m.chunk.data) for m in chunks[2:]], 2)
+    receipts = []
+    for stub, (start, end) in zip(connections.stubs, ranges, strict=True):
+        header = _ranged(first, held + start, held + end, upload_id)
+        call, _ = _open_range(stub, header, _between(da, held + start, held + end))
+        receipts.append(call.result(timeout=30))
+    assert [r.partial for r in receipts].count(False) == 1
+    assert server.coordinator.transfers.total_in == da.nbytes  # not one byte twice
+    finish_alpha_beta_round(server, b, c, version, da, db)
+
+
 def test_rogue_ranges_are_refused_and_audited(tmp_path, stop_after) -> None:
     server, version, a, b = _sites(tmp_path, stop_after)
     da = _delta(server, 1)
@@ -298,6 +332,7 @@ def test_a_download_in_ranges_reassembles_the_model_exactly(tmp_path, stop_after
 def test_the_site_chooses_the_stream_count_and_a_single_chunk_travels_alone() -> None:
     automatic = stream_plan(0, 40 << 20)
     assert automatic.adaptive and automatic.current == 1 and automatic.limit == 64
+    assert automatic.alone and not automatic.parallel  # a plain call, until it is judged
     assert stream_plan(0, 40 << 20, start=(16, None)).current == 16  # the last one's say
     assert not stream_plan(0, PROBE_MIN_BYTES - 1).parallel  # small: never probed
     fixed = stream_plan(8, 40 << 20)  # site.toml's choice
@@ -308,18 +343,20 @@ def test_the_site_chooses_the_stream_count_and_a_single_chunk_travels_alone() ->
 def _flat_run(
     tmp_path: Path,
     stop_after: list[Any],
-    streams: int,
+    streams: int | None,
     pki: Any = None,
     num_params: int = 200_000,
     link: Callable[[int], SlowLink] | None = None,
+    dialled: list[object] | None = None,
     inspect: Callable[[Any], None] = lambda _: None,
     **server_options: Any,
 ) -> ModelState:
     """Two rounds of the deterministic benchmark task (800 KB, 64 KiB chunks) with a
-    real site daemon using `streams` parallel streams (with `pki`: over TLS; with
-    `link`: through that slow link); the final global model (one site: two sites'
-    updates may fold in either order, which is not bit-stable). `inspect(server)` sees
-    the started server before the site joins; `server_options` go into its config."""
+    real site daemon using `streams` parallel streams (None: site.toml's default; with
+    `pki`: over TLS; with `link`: through that slow link; `dialled` gets each parallel
+    stream's connection the daemon dials); the final global model (one site: two
+    sites' updates may fold in either order, which is not bit-stable). `inspect(server)`
+    sees the started server before the site joins; `server_options` go into its config."""
     sys.path.insert(0, str(ROOT))
     from benchmarks.flat_task import FlatTask
 
@@ -347,9 +384,10 @@ def _flat_run(
             "task_options": options,
             "name": name,
             "server": f"127.0.0.1:{port}",
-            "transfer_streams": streams,
             "reconnect": {"min_s": 0.1, "max_s": 0.5},
         }
+        if streams is not None:
+            raw["transfer_streams"] = streams
         if pki is not None:
             raw["tls"] = {
                 "ca": str(pki.ca_cert),
@@ -357,6 +395,14 @@ def _flat_run(
                 "key": str(pki.site_key),
             }
         daemon = SiteDaemon(from_dict(SiteConfig, raw), insecure=pki is None, task=task)
+        if dialled is not None:
+            dial = daemon._dial_stream
+
+            def counted(link: Any, dial: Any = dial) -> Any:
+                dialled.append(link)
+                return dial(link)
+
+            daemon._dial_stream = counted  # type: ignore[method-assign]
         threading.Thread(target=daemon.run, daemon=True).start()
         stop_after.append(daemon)
     assert server.wait(90), "the run did not finish"
@@ -381,38 +427,93 @@ def _automatic_counts(log_text: str) -> list[list[int]]:
     return [[int(n) for n in counts.split(" -> ")] for counts in found]
 
 
+def _transfers(log_text: str) -> dict[str, list[list[int]]]:
+    """The counts each automatic transfer tried, per direction, in order."""
+    found = re.findall(r"(downloaded|uploaded) over ([0-9 >-]+) streams \(automatic", log_text)
+    out: dict[str, list[list[int]]] = {"downloaded": [], "uploaded": []}
+    for what, counts in found:
+        out[what].append([int(n) for n in counts.split(" -> ")])
+    return out
+
+
+def _paced(down: float, up: float) -> Callable[[int], SlowLink]:
+    """A link where each connection moves `down` / `up` B/s on its own (one TCP flow's
+    share of a lossy, long link: more flows move more)."""
+
+    def link(port: int) -> SlowLink:
+        paced = SlowLink(port, down, per_connection=True, buffer_bytes=64 * 1024)
+        paced.up_rate = up
+        return paced
+
+    return link
+
+
+BIG = 1_500_000  # 6 MB: past PROBE_MIN_BYTES; 12 s for one 0.5 MB/s flow
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-def test_the_automatic_count_grows_only_where_more_streams_move_more_and_ends_bit_identical(
+def test_a_slow_upload_is_cut_from_one_call_to_ranges_and_the_next_starts_where_it_stayed(
     tmp_path, stop_after, caplog
 ) -> None:
-    """A 6 MB model through a slow link, `transfer_streams = 0`: where each connection
-    is paced on its own (one flow's share of a lossy link) the streams multiply; where
-    they share the link's pace (a clean link one flow fills) they do not run away.
-    Either way the run ends with the model of one plain stream."""
+    """Uploads through flows of 0.5 MB/s, downloads fast, `transfer_streams = 0`: the
+    first upload starts as one plain call, is cut where it stands (the server keeps what
+    it received and lets the call's range end there) and moves the rest over more
+    streams; the second starts at the count the first stayed at. Downloads stay one
+    call. The run ends with the model of one plain stream."""
     caplog.set_level(logging.INFO, logger="fedtrain.runtime.site.daemon")
-    big = 1_500_000  # 6 MB: past PROBE_MIN_BYTES
-    assert big * 4 >= PROBE_MIN_BYTES
+    # 24 MB: the site's socket buffers on loopback take ~4 MB at once, which would leave
+    # a 6 MB upload too little to judge
+    size = 4 * BIG
+    cut = _flat_run(tmp_path / "cut", stop_after, 0, num_params=size, link=_paced(50e6, 0.5e6))
+    moved = _transfers(caplog.text)
+    assert moved["downloaded"] == [[1], [1]], moved
+    first, second = moved["uploaded"]
+    # (where the first ended mid-probe, the second starts at its best measured count)
+    assert first[:2] == [1, 4] and second[0] > 1 and second[0] in first, moved
+    single = _flat_run(tmp_path / "one", stop_after, 1, num_params=size)
+    assert cut.equal(single)
 
-    def lossy(port: int) -> SlowLink:
-        return SlowLink(port, 3e6, per_connection=True, buffer_bytes=64 * 1024)
 
-    grown = _flat_run(tmp_path / "lossy", stop_after, 0, num_params=big, link=lossy)
-    counts = _automatic_counts(caplog.text)
-    assert len(counts) == 4  # two downloads, two uploads
-    assert all(tried[-1] >= 2 for tried in counts), counts
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_a_slow_download_is_cut_for_ranges_and_the_first_upload_starts_from_its_count(
+    tmp_path, stop_after, caplog
+) -> None:
+    """Flows of 0.5 MB/s both ways (a lossy link): the first download is cut from one
+    call to ranges and its count grows; the first upload, with no count of its own yet,
+    starts at the download's, and the second download at the first's (not half of it).
+    A clean link one flow fills (3 MB/s shared by all connections): every transfer is
+    one plain call. Either way the run ends with the model of one plain stream."""
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.site.daemon")
+    lossy = _flat_run(tmp_path / "lossy", stop_after, 0, num_params=BIG, link=_paced(0.5e6, 0.5e6))
+    moved = _transfers(caplog.text)
+    (down1, down2), (up1, _) = moved["downloaded"], moved["uploaded"]
+    assert down1[:2] == [1, 4] and down1[-1] > 1, moved
+    assert up1[0] == down1[-1] and down2[0] == down1[-1], moved
     caplog.clear()
 
     def clean(port: int) -> SlowLink:
         return SlowLink(port, 3e6, buffer_bytes=64 * 1024)
 
-    alone = _flat_run(tmp_path / "clean", stop_after, 0, num_params=big, link=clean)
-    counts = _automatic_counts(caplog.text)
-    # (the proxy's own overheads per connection let 4 streams gain a little over one
-    # on a busy machine; the decisions on a link they share are test_stream_count's)
-    assert len(counts) == 4 and max(max(tried) for tried in counts) <= 16, counts
-    single = _flat_run(tmp_path / "one", stop_after, 1, num_params=big)
-    assert grown.equal(single) and alone.equal(single)
+    alone = _flat_run(tmp_path / "clean", stop_after, 0, num_params=BIG, link=clean)
+    assert _automatic_counts(caplog.text) == [[1]] * 4
+    single = _flat_run(tmp_path / "one", stop_after, 1, num_params=BIG)
+    assert lossy.equal(single) and alone.equal(single)
+
+
+@pytest.mark.integration
+def test_a_fast_transfer_never_opens_a_second_connection(tmp_path, stop_after, caplog) -> None:
+    """On loopback, with the automatic count, a 6 MB model's downloads and uploads are
+    one plain call each, as with one fixed stream (before, the automatic count moved
+    them in ranges, several times slower on a fast link): no range is asked for and no
+    parallel stream is ever dialled."""
+    caplog.set_level(logging.DEBUG, logger="fedtrain.runtime.site.daemon")
+    dialled: list[object] = []
+    _flat_run(tmp_path, stop_after, 0, num_params=BIG, dialled=dialled)
+    assert _automatic_counts(caplog.text) == [[1]] * 4
+    assert "downloading over" not in caplog.text and "uploading over" not in caplog.text
+    assert dialled == []
 
 
 @pytest.mark.integration

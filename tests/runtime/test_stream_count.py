@@ -13,6 +13,8 @@ import pytest
 
 from fedtrain.runtime import wire
 from fedtrain.runtime.site.streams import (
+    DECIDE_S,
+    DESCEND_EVERY,
     FIRST_RANGE_BYTES,
     GROWTH,
     LANES,
@@ -22,6 +24,7 @@ from fedtrain.runtime.site.streams import (
     WARMUP_S,
     RangeCutter,
     StreamCount,
+    StreamMemory,
     run_ranges,
 )
 
@@ -44,24 +47,36 @@ class Clock:
 
 
 def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], float], nbytes: int):
-    """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`."""
+    """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`; a
+    plain call is judged after each chunk (as `CallSwitch` does every POLL_S)."""
     changed_at, streams = 0.0, count.current
     for _ in range(nbytes // CHUNK):
         if count.current != streams:
             changed_at, streams = clock.now, count.current
         clock.advance(CHUNK / rate(streams, clock.now - changed_at))
         count.moved(CHUNK)
+        count.poll(CHUNK)
+
+
+def _auto(clock: Clock, nbytes: int, start: int = 1, limit: int = 64, **options) -> StreamCount:
+    return StreamCount(start, limit, total=nbytes, clock=clock, **options)
 
 
 def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() -> None:
     """Every flow adds its share until the link is full (about 17 flows here): 64 gain
     nothing over 16, and the count goes back to 16."""
     clock = Clock()
-    count = StreamCount(1, 64, clock=clock)
+    count = _auto(clock, 100 << 20)
+    assert count.alone and not count.parallel  # a plain call first
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
     assert count.tried[:5] == [1, 4, 16, 64, 16] and count.current == 16
     assert set(count.tried[5:]) <= {16, 64}  # probed again now and then: no gain
-    full = StreamCount(1, 64, clock=clock)  # a link 64 flows do not fill: all 64 stay
+    start, known = count.next_start()
+    assert start == 16 and known is not None
+    following = _auto(clock, 20 << 20, start, known=known)  # 64 gained nothing: not again
+    _transfer(following, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 20 << 20)
+    assert following.tried == [16]
+    full = _auto(clock, 200 << 20)  # a link 64 flows do not fill: all 64 stay
     _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
     assert full.tried == [1, 4, 16, 64] and full.settled
 
@@ -70,7 +85,7 @@ def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -
     """More streams gained nothing while the server was busy with other sites (four
     flows' worth for it); once their transfers end, the next probe finds the gain."""
     clock = Clock()
-    count = StreamCount(1, 64, clock=clock)
+    count = _auto(clock, 48 << 20)
     _transfer(count, clock, lambda k, _: min(k, 4) * FLOW, 8 << 20)
     assert count.tried == [1, 4, 16, 4] and count.settled
     _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)  # the others are done
@@ -78,39 +93,117 @@ def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -
     assert clock.now > REPROBE_S
 
 
-def test_on_a_clean_link_one_stream_stays_alone() -> None:
-    """One flow fills the link: more gain nothing, and go (after their range)."""
+def test_on_a_clean_link_a_plain_call_is_never_cut() -> None:
+    """One flow fills the link and the 40 MB are soon moved: no second stream."""
     clock = Clock()
-    count = StreamCount(1, 64, clock=clock)
-    _transfer(count, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 40 << 20)
-    assert count.tried == [1, 4, 1] and count.settled
+    count = _auto(clock, 40 << 20)
+    _transfer(count, clock, lambda k, _: LINE, 40 << 20)
+    assert count.tried == [1] and count.alone and count.next_start() == (1, None)
 
 
-def test_after_a_probe_found_nothing_the_next_transfer_probes_only_if_it_moves_slower() -> None:
+def test_a_fast_transfer_is_over_before_it_is_judged() -> None:
+    """400 MB on loopback (~1 GB/s): one plain call, never judged, never cut; at a fifth
+    of that it is judged, and soon done."""
+    for rate in (1e9, 2e8):
+        clock = Clock()
+        count = _auto(clock, 400 << 20)
+        _transfer(count, clock, lambda k, _, rate=rate: rate, 400 << 20)
+        assert count.tried == [1] and count.alone
+
+
+def test_a_plain_call_whose_chunks_take_seconds_switches_unmeasured() -> None:
+    """A lossy link's single flow and the server's 4 MiB chunks: not one has arrived by
+    DECIDE_S, and even counting the one in flight as moved the rest would take far
+    longer than SWITCH_S: the call is cut for four streams at once."""
     clock = Clock()
-    first = StreamCount(1, 64, clock=clock)
-    _transfer(first, clock, lambda k, _: LINE, 40 << 20)
+    count = _auto(clock, 40 << 20)
+    clock.advance(DECIDE_S - 0.1)
+    assert not count.poll(4 << 20)
+    clock.advance(0.1)
+    assert count.poll(4 << 20) and count.parallel and count.current == GROWTH
+    assert not count.poll(4 << 20)  # once
+
+
+def test_a_plain_call_that_waited_for_its_go_ahead_is_judged_from_then() -> None:
+    clock = Clock()
+    count = _auto(clock, 40 << 20)
+    clock.advance(10.0)  # the server's transfer slots were all taken
+    count.began()
+    assert not count.poll(4 << 20)
+
+
+def test_on_a_clean_link_streams_that_gain_nothing_go_and_the_next_call_stays_plain() -> None:
+    """A transfer long enough to be worth a probe (400 MB at 100 Mbit/s): four streams
+    move no more than one; the rest goes on one stream, and the next transfers are one
+    plain call while they move about as fast, probed again once slower."""
+    clock = Clock()
+    first = _auto(clock, 400 << 20)
+    _transfer(first, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 400 << 20)
+    assert first.tried[:3] == [1, 4, 1] and first.current == 1
     start = first.next_start()
-    assert first.tried == [1, 4, 1] and start == (1, pytest.approx(LINE))
-    second = StreamCount(start[0], 64, known=start[1], clock=clock)
+    assert start == (1, pytest.approx(LINE))
+    second = _auto(clock, 400 << 20, start[0], known=start[1])
     assert second.alone and not second.parallel  # one call, as transfer_streams = 1
-    _transfer(second, clock, lambda k, _: LINE * 0.9, 40 << 20)  # about as fast: no probe
-    assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE * 0.9))
-    slower = StreamCount(1, 64, known=LINE * 0.9, clock=clock)  # alone, and slower now:
-    _transfer(slower, clock, lambda k, _: FLOW, 4 << 20)
-    assert slower.next_start()[1] is None  # the next transfer probes
-    start, known = slower.next_start()
-    lossy = StreamCount(start, 64, known=known, clock=clock)  # the link turned lossy
-    assert lossy.parallel
-    _transfer(lossy, clock, lambda k, _: k * FLOW, 40 << 20)
-    assert lossy.current > 4 and lossy.next_start() == (lossy.current // 2, None)
+    _transfer(second, clock, lambda k, _: LINE * 0.9, 400 << 20)  # about as fast: no probe
+    assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE))
+    slower = _auto(clock, 40 << 20, known=LINE)  # the link turned lossy
+    _transfer(slower, clock, lambda k, _: k * FLOW, 40 << 20)
+    assert slower.tried[:3] == [1, 4, 16]
+
+
+def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_download_did() -> (
+    None
+):
+    clock = Clock()
+    memory = StreamMemory()
+    first = memory.plan(0, 100 << 20, "down")
+    assert first.alone
+    first._clock = clock  # (the fake clock from here on)
+    first._changed_at = 0.0
+    _transfer(first, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
+    assert first.current == 16
+    memory.ended("down", first)
+    upload = memory.plan(0, 100 << 20, "up")  # no upload yet: where the download stayed
+    assert upload.current == 16 and upload.parallel
+    again = memory.plan(0, 100 << 20, "down")  # not half of it: no probe from 8 up again
+    assert again.current == 16 and again.parallel
+
+
+def test_a_link_that_got_clean_sheds_its_streams_and_its_transfers_become_plain_calls() -> None:
+    """Remembered at 16 streams, on a link one flow now fills: one transfer in
+    DESCEND_EVERY steps down while fewer move as much, to one; the next is a plain call."""
+    clock = Clock()
+    memory = StreamMemory()
+    memory._last["up"] = (16, None)
+    for _ in range(DESCEND_EVERY - 1):  # these start at 16 and stay there (no gain at 64)
+        count = memory.plan(0, 100 << 20, "up")
+        assert count.tried == [16]
+        count._clock, count._changed_at = clock, clock.now
+        _transfer(count, clock, lambda k, _: LINE, 100 << 20)
+        assert count.current == 16
+        memory.ended("up", count)
+    shedding = memory.plan(0, 100 << 20, "up")
+    shedding._clock, shedding._changed_at = clock, clock.now
+    _transfer(shedding, clock, lambda k, _: LINE, 100 << 20)
+    assert shedding.tried[:3] == [16, 4, 1] and shedding.current == 1
+    memory.ended("up", shedding)
+    assert memory.plan(0, 100 << 20, "up").alone
+
+
+def test_a_descent_that_loses_goes_back_up_for_good() -> None:
+    """On a lossy link a quarter of the streams move a quarter as much: back to 16."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20, 16, descend=True)
+    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
+    assert count.tried[:3] == [16, 4, 16] and count.current == 16
+    assert count.next_start() == (16, None)
 
 
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     """The streams just added move nothing for most of the warm-up (handshake, slow
     start): measured from the change on, four streams would look no better than one."""
     clock = Clock()
-    count = StreamCount(1, 16, clock=clock)
+    count = _auto(clock, 40 << 20, limit=16)
 
     def rate(k: int, since: float) -> float:
         return FLOW * (k if since >= WARMUP_S * 0.9 else k // GROWTH or 1)
@@ -122,7 +215,7 @@ def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
 def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
     """At ~0.6 s a chunk, a window of MEASURE_S would hold one chunk or none."""
     clock = Clock()
-    count = StreamCount(1, 64, clock=clock)
+    count = _auto(clock, 40 << 20)
     slow = 0.4e6
     _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
     assert count.tried == [1]  # still measuring: too few chunks to tell
@@ -177,7 +270,7 @@ def test_a_stream_takes_what_it_moves_in_range_s_so_a_slow_one_never_holds_the_e
 
 def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:
     clock = Clock()
-    count = StreamCount(1, 8, clock=clock)
+    count = StreamCount(2, 8, clock=clock)  # (ranges from the start: a count remembered)
     total = 64 << 20
     cutter = RangeCutter.over_chunks([CHUNK] * (total // CHUNK))
     used: list[tuple[int, tuple[int, int]]] = []
@@ -215,3 +308,27 @@ def test_a_failed_stream_stops_the_others_and_is_raised() -> None:
     with pytest.raises(ConnectionError, match="the link broke"):
         run_ranges(cutter, count, send)
     assert len(sent) <= 2 * LANES  # no stream took a new range after the failure
+
+
+def test_streams_a_descent_retired_start_again_when_the_count_comes_back_up() -> None:
+    """A descent on a lossy link: 4 streams -> 1 (a quarter as fast) -> 4 again; the
+    three the descent retired take ranges again (before, a retired stream's lanes were
+    counted as running and never started again)."""
+    clock = Clock()
+    count = StreamCount(4, 16, total=64 << 20, descend=True, clock=clock)
+    cutter = RangeCutter.over_chunks([CHUNK] * (256))
+    used: list[tuple[int, int]] = []  # (stream, count.tried's length when it took it)
+    lock = threading.Lock()
+
+    def send(stream: int, byte_range: tuple[int, int]) -> None:
+        with lock:
+            used.append((stream, len(count.tried)))
+        for _ in range(byte_range[0], byte_range[1], CHUNK):
+            with lock:
+                clock.advance(CHUNK / (min(count.current, 4) * FLOW))
+                count.moved(CHUNK)
+            time.sleep(0.001)
+
+    run_ranges(cutter, count, send)
+    assert count.tried[:3] == [4, 1, 4]
+    assert any(stream > 0 and tried >= 3 for stream, tried in used), used

@@ -18,7 +18,10 @@ is discarded: `SecureRoundState.abandon`).
 Only the same session (its token, and with TLS its certificate) may resume an upload,
 in the same round attempt, with the same header, within the grace; a chunk that
 overlaps what the server holds or runs past its tensor is refused by the journal's
-validator like in any upload. Each stream that feeds an upload gets a generation
+validator like in any upload. A stream that resumes a range may end it sooner, past
+what the server holds of it: a site that cuts its plain call for parallel streams
+(`site/streams.py`) resumes the call's range to where it stood and sends the rest in
+ranges of their own. Each stream that feeds an upload gets a generation
 number: a stream a resume superseded (its connection still looked open to the
 server) can add nothing once the new one has taken over.
 """
@@ -142,10 +145,15 @@ class HeldUpload:
             end = size
         lane = self.lanes.get(start)
         if lane is not None:
-            if lane.end != end:
+            if lane.start + lane.received <= end < lane.end:
+                # A plain call the site cut for parallel streams: its range ends where the
+                # site says (past what it holds), and ranges of their own take the rest.
+                lane.end = end
+            elif lane.end != end:
                 raise _refused(
                     f"a stream resumes the range from byte {start} to {end}, but that "
-                    f"range was opened to byte {lane.end}"
+                    f"range was opened to byte {lane.end} and holds "
+                    f"{lane.start + lane.received}"
                 )
             return lane
         if not 0 <= start < end <= size:

@@ -65,15 +65,16 @@ from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.streams import (
     PARALLEL_CHUNK_BYTES,
     PROBE_MIN_BYTES,
+    CallSwitch,
     RangeCutter,
     SharedUpload,
     StreamCount,
+    StreamMemory,
     UpdateChunks,
     chunk_positions,
     completed,
     merged,
     run_ranges,
-    stream_plan,
 )
 from fedtrain.runtime.site.workers import train_timeout_s, worker_group
 from fedtrain.strategy import RoundConfig, compute_delta
@@ -319,11 +320,8 @@ class SiteDaemon:
         #: Set when the site cannot train any more (a torchrun group broke): `run()`
         #: returns and the CLI exits non-zero, so torchrun can restart the site.
         self.fatal: str | None = None
-        #: Per direction, the count of parallel streams the automatic choice starts at.
-        self._stream_start: dict[str, tuple[int, float | None]] = {
-            "down": (1, None),
-            "up": (1, None),
-        }
+        #: Per direction, where the automatic count of parallel streams starts.
+        self._streams = StreamMemory()
         self.device = resolve_device(config.device)
         # With a worker group the ranks hold the data and the model, not the daemon.
         self.data: Dataset | None = None
@@ -766,9 +764,7 @@ class SiteDaemon:
                 )
             else:
                 header = _plain_header(link, instruction, result)
-                parallel = self._stream_plan(link, global_state.nbytes, "up").parallel
-                chunk_bytes = min(link.chunk_bytes, PARALLEL_CHUNK_BYTES) if parallel else None
-                chunks = update_chunks(link, local, global_state, chunk_bytes)
+                chunks = update_chunks(link, local, global_state)
                 header.codec = link.codec.name
             receipt = self._upload(
                 link, header, chunks, deadline, own_connection=instruction.own_upload_connection
@@ -967,13 +963,13 @@ class SiteDaemon:
                 )
             return head.manifest, pieces
 
-        # Parallel streams (when this link may use them): the first asks for the first
-        # chunk's worth, and its manifest says how large the rest is to share out (the
-        # model held says how large it will be: a small one goes in one call).
+        # Parallel streams (when this link may use them from the start): the first asks
+        # for the first chunk's worth, and its manifest says how large the rest is to
+        # share out (the model held says how large it will be: a small one goes in one
+        # call). Else one plain call, which the automatic count may cut for ranges.
         expected = previous.nbytes if previous is not None else PROBE_MIN_BYTES
         plan = self._stream_plan(link, expected, "down")
-        single = not plan.parallel
-        first_end = 0 if single else min(link.chunk_bytes, PARALLEL_CHUNK_BYTES)
+        first_end = min(link.chunk_bytes, PARALLEL_CHUNK_BYTES) if plan.parallel else 0
         if deadline_unix:
             manifest, pieces = self._through_outages(
                 link, deadline_unix, "download", lambda: request(0, first_end)
@@ -981,34 +977,74 @@ class SiteDaemon:
         else:
             manifest, pieces = request(0, first_end)
         total = manifest.total_bytes
-        if not first_end or total <= first_end:
-            chunks = self._resumed(link, deadline_unix, manifest, pieces, request)
-            if not plan.alone:
-                return receive_model(manifest, chunks, link.download_codec, previous, held)
-            model = receive_model(
-                manifest, _counted(chunks, plan.moved), link.download_codec, previous, held
+        if first_end and total <= first_end:  # all of it in the first range's call
+            count = StreamCount.fixed(1)
+        else:
+            count = self._stream_plan(link, total, "down")
+        if first_end and count.parallel:
+            cutter = RangeCutter(0, total, first_end=first_end)
+            chunks = self._ranged_download(
+                link, deadline_unix, manifest, request, count, cutter, pieces
             )
-            self._streams_used(plan, "down", f"model {version[:12]}: downloaded")
-            return model
-        count = self._stream_plan(link, total, "down")
-        cutter = RangeCutter(0, total, first_end=first_end)
+        else:
+            chunks = self._plain_download(link, deadline_unix, manifest, pieces, request, count)
+        model = receive_model(manifest, chunks, link.download_codec, previous, held)
+        self._streams_used(count, "down", f"model {version[:12]}: downloaded")
+        return model
+
+    def _plain_download(
+        self,
+        link: Link,
+        deadline_unix: float,
+        manifest: pb.Manifest,
+        pieces: Iterator[Any],
+        request: Callable[[int, int, int], tuple[pb.Manifest, Iterator[Any]]],
+        count: StreamCount,
+    ) -> Iterator[Chunk]:
+        """A download's chunks from one call; with the automatic count the call is
+        watched, and cut where it stands once more streams should take over
+        (`CallSwitch`): the rest then comes in ranges."""
+        received = 0
+        with CallSwitch(count, link.chunk_bytes) as switch:
+            for chunk in self._resumed(
+                link, deadline_unix, manifest, pieces, request, switch=switch
+            ):
+                received += len(chunk.data)
+                count.moved(len(chunk.data))
+                yield chunk
+        if switch.switched and received < manifest.total_bytes:
+            log.debug("model %s: one call cut at byte %d", manifest.model_version[:12], received)
+            cutter = RangeCutter(received, manifest.total_bytes)
+            yield from self._ranged_download(link, deadline_unix, manifest, request, count, cutter)
+
+    def _ranged_download(
+        self,
+        link: Link,
+        deadline_unix: float,
+        manifest: pb.Manifest,
+        request: Callable[[int, int, int], tuple[pb.Manifest, Iterator[Any]]],
+        count: StreamCount,
+        cutter: RangeCutter,
+        opened: Iterator[Any] | None = None,
+    ) -> Iterator[Chunk]:
+        """A download's chunks in the ranges of `cutter`, on `count` streams (`opened`:
+        the first range's call, open already)."""
         positions = chunk_positions(manifest)
-        opened = [pieces]  # the first range's stream is open already
+        first = [] if opened is None else [opened]
 
         def fetch(number: int, byte_range: tuple[int, int]) -> Iterator[Chunk]:
-            first = opened.pop() if byte_range[0] == 0 and opened else None
+            pieces = first.pop() if first and byte_range[0] == 0 else None
             return _counted(
                 self._resumed(
-                    link, deadline_unix, manifest, first, request, byte_range, positions, number
+                    link, deadline_unix, manifest, pieces, request, byte_range, positions, number
                 ),
                 count.moved,
             )
 
-        log.debug("model %s: downloading over %d streams", version[:12], count.current)
-        chunks = merged(cutter, count, fetch)
-        model = receive_model(manifest, chunks, link.download_codec, previous, held)
-        self._streams_used(count, "down", f"model {version[:12]}: downloaded")
-        return model
+        log.debug(
+            "model %s: downloading over %d streams", manifest.model_version[:12], count.current
+        )
+        return merged(cutter, count, fetch)
 
     def _resumed(
         self,
@@ -1020,11 +1056,13 @@ class SiteDaemon:
         byte_range: tuple[int, int] = (0, 0),
         positions: dict[str, int] | None = None,
         number: int = 0,
+        switch: CallSwitch | None = None,
     ) -> Iterator[Chunk]:
         """A download's chunks (those of `byte_range` on parallel stream `number`; with
         `positions`, where each tensor starts in the download); when its stream breaks
         (and a deadline allows), the rest, asked for from the bytes received, on the
-        rejoined session: what the site holds is not sent again."""
+        rejoined session: what the site holds is not sent again. With `switch`, a call
+        it cut ends the chunks there."""
         received, end = byte_range
         broke = False
         while True:
@@ -1035,6 +1073,8 @@ class SiteDaemon:
                         raise ProtocolError("the server's download changed while it was resumed")
                     if broke:
                         log.info("model download continues from byte %d", received)
+                if switch is not None:
+                    switch.follow(pieces)
                 for chunk in _download_chunks(pieces):
                     if positions is None:
                         received += len(chunk.data)
@@ -1045,6 +1085,8 @@ class SiteDaemon:
                     yield chunk
                 return
             except (grpc.RpcError, ValueError) as exc:
+                if switch is not None and switch.switched:
+                    return  # cut for more streams: they move the rest
                 if not deadline_unix or not _link_broke(exc):
                     raise
                 if not self._await_link(link, deadline_unix):
@@ -1093,17 +1135,16 @@ class SiteDaemon:
 
     def _stream_plan(self, link: Link, nbytes: int, direction: str) -> StreamCount:
         """Parallel streams for a transfer of `nbytes` on `link` (`transfer_streams`);
-        the automatic choice starts in each direction where the previous transfer said
-        (`StreamCount.next_start`: a lossy link's many streams need not be probed for
-        anew every time, a link that got better sheds them over a few transfers, a clean
-        one is not probed while one stream moves as fast as before)."""
+        the automatic choice starts in each direction where the previous transfer
+        stayed (`StreamMemory`: a lossy link's many streams are not probed for anew
+        every time; a clean one's transfers are one plain call)."""
         if link.dial is None:
             return StreamCount.fixed(1)
-        return stream_plan(self.config.transfer_streams, nbytes, self._stream_start[direction])
+        return self._streams.plan(self.config.transfer_streams, nbytes, direction)
 
     def _streams_used(self, count: StreamCount, direction: str, what: str) -> None:
         if count.adaptive:
-            self._stream_start[direction] = count.next_start()
+            self._streams.ended(direction, count)
             log.info("%s over %s", what, count.describe())
 
     def _upload(
@@ -1117,43 +1158,127 @@ class SiteDaemon:
     ) -> pb.UploadReceipt:
         """Send an update: `chunks()` makes its chunks (again for each stream). A plain
         update of `UpdateChunks` may go over parallel streams, a range each (see
-        `streams.py`); a masked one goes over one (the server folds its chunks into the
-        secure sum in order). `own_connection`: one stream goes on a connection of its
-        own, closed after it (parallel streams have theirs anyway)."""
-        sizes = chunks.sizes() if isinstance(chunks, UpdateChunks) and not header.masked else []
-        count = self._stream_plan(link, sum(sizes), "up") if sizes else StreamCount.fixed(1)
-        if not count.parallel:
-            moved = count.moved if count.alone else None
+        `streams.py`), from the start or once the automatic count cut its plain call;
+        a masked one goes over one (the server folds its chunks into the secure sum in
+        order). `own_connection`: a plain call goes on a connection of its own, closed
+        after it (parallel streams have theirs anyway)."""
+        ranged = isinstance(chunks, UpdateChunks) and not header.masked
+        count = StreamCount.fixed(1)
+        if isinstance(chunks, UpdateChunks) and not header.masked:
+            count = self._stream_plan(link, sum(chunks.sizes()), "up")
+        if count.parallel:
+            assert isinstance(chunks, UpdateChunks)
+            receipt = self._ranged_upload(link, header, chunks, count, deadline_unix)
+        else:
+            shared = SharedUpload()
+            in_flight = chunks.chunk_bytes if isinstance(chunks, UpdateChunks) else 0
             if own_connection:
                 log.debug("round %d: uploading on a connection of its own", header.round)
-            with link.own_connection() if own_connection else contextlib.nullcontext() as via:
-                receipt = self._upload_range(
-                    link, 0, header, chunks, SharedUpload(), deadline_unix, moved, via
+            try:
+                with (
+                    link.own_connection() if own_connection else contextlib.nullcontext() as via,
+                    CallSwitch(count, in_flight) as switch,
+                ):
+                    receipt = self._upload_range(
+                        link, 0, header, chunks, shared, deadline_unix, count.moved, switch, via
+                    )
+            except _CallCut as cut:
+                assert ranged and isinstance(chunks, UpdateChunks)
+                log.debug("round %d: one call cut at byte %d", header.round, cut.position)
+                receipt = self._ranged_upload(
+                    link, header, chunks, count, deadline_unix, cut, shared.id
                 )
-            self._streams_used(count, "up", f"round {header.round}: uploaded")
-            return receipt
-        assert isinstance(chunks, UpdateChunks)
+        self._streams_used(count, "up", f"round {header.round}: uploaded")
+        return receipt
+
+    def _ranged_upload(
+        self,
+        link: Link,
+        header: pb.UploadHeader,
+        chunks: UpdateChunks,
+        count: StreamCount,
+        deadline_unix: float,
+        cut: _CallCut | None = None,
+        upload_id: str = "",
+    ) -> pb.UploadReceipt:
+        """Send an update in ranges over `count` streams. After a plain call (of upload
+        `upload_id`) was `cut`, its range is first ended where the server holds it
+        (`_end_cut_call`), and the ranges take the rest, joining that upload."""
+        ranged = chunks.for_ranges()
         shared = SharedUpload()
+        start = 0
+        if cut is not None:
+            start, receipt = self._through_outages(
+                link,
+                deadline_unix,
+                "upload",
+                lambda: self._end_cut_call(link, header, upload_id, cut.in_flight_end),
+            )
+            if receipt is not None and not receipt.partial:  # the server had it all
+                return receipt
+            if start:
+                shared.told(upload_id)
+            # else the server held none of it: the first range opens the upload anew
 
         def send(number: int, byte_range: tuple[int, int]) -> pb.UploadReceipt:
-            start, end = byte_range
-            ranged = pb.UploadHeader()
-            ranged.CopyFrom(header)
-            ranged.range_start, ranged.range_end = start, end
+            first, end = byte_range
+            header_range = pb.UploadHeader()
+            header_range.CopyFrom(header)
+            header_range.range_start, header_range.range_end = first, end
             return self._upload_range(
                 link,
                 number,
-                ranged,
-                lambda: chunks.between(start, end),
+                header_range,
+                lambda: ranged.between(first, end),
                 shared,
                 deadline_unix,
                 count.moved,
             )
 
         log.debug("round %d: uploading over %d streams", header.round, count.current)
-        receipt = completed(run_ranges(RangeCutter.over_chunks(sizes), count, send, shared))
-        self._streams_used(count, "up", f"round {header.round}: uploaded")
-        return receipt
+        cutter = RangeCutter.over_chunks(ranged.sizes(), start)
+        return completed(run_ranges(cutter, count, send, shared))
+
+    def _end_cut_call(
+        self, link: Link, header: pb.UploadHeader, upload_id: str, end: int
+    ) -> tuple[int, pb.UploadReceipt | None]:
+        """End the range of a cut plain call where the server holds it, sending nothing:
+        (that byte, the receipt; 0, None: it holds nothing). The chunks gRPC had taken
+        may or may not have reached the server: resumed to `end` (all it may hold), the
+        go-ahead says how much it does; where that is less, the range is resumed again
+        to end there (the server lets a resumed range end sooner, past what it holds),
+        so that no one stream resends what the buffers lost."""
+        ranged = pb.UploadHeader()
+        ranged.CopyFrom(header)
+        ranged.resume_id, ranged.session_token = upload_id, link.token
+        upload = link.stream_channel(0).stream_unary(
+            wire.method_path("UploadUpdate"),
+            request_serializer=wire.serialize_stream_item,
+            response_deserializer=pb.UploadReceipt.FromString,
+        )
+        while True:
+            ranged.range_start, ranged.range_end = 0, end
+            release = threading.Event()
+
+            def items(release: threading.Event = release) -> Iterator[object]:
+                yield pb.UpdateChunk(header=ranged)
+                release.wait()
+
+            call = upload.future(items())
+            try:
+                metadata = dict(call.initial_metadata() or ())
+                if wire.UPLOAD_GO_AHEAD not in metadata:
+                    return 0, call.result()  # refused: the call raises why
+                held = int(metadata.get(wire.UPLOAD_OFFSET, 0))
+                if held >= end:
+                    release.set()  # nothing to send: the range is in
+                    return end, call.result()
+                call.cancel()
+                if not held:
+                    return 0, None
+                end = held
+            finally:
+                release.set()
 
     def _upload_range(
         self,
@@ -1164,13 +1289,17 @@ class SiteDaemon:
         shared: SharedUpload,
         deadline_unix: float,
         moved: Callable[[int], None] | None = None,
+        switch: CallSwitch | None = None,
         via: Callable[[int], grpc.Channel] | None = None,
     ) -> pb.UploadReceipt:
         """Send one stream's range of an update (the whole of it without a range) on
         parallel stream `number`'s channel; `moved(bytes)` after each chunk gRPC took
         (it asks for the next only once flow control lets the previous go). A broken
         stream is resumed: the server's go-ahead says up to where it holds the range
-        (`wire.UPLOAD_OFFSET`), and only the chunks after that are sent."""
+        (`wire.UPLOAD_OFFSET`), and only the chunks after that are sent. A call that
+        `switch` cut raises `_CallCut` (with the bytes gRPC had taken, and the end of the
+        chunk it was sending)."""
+        position = [header.range_start, header.range_start]  # taken, and sent or in flight
 
         def attempt() -> pb.UploadReceipt:
             header.resume_id = shared.id
@@ -1192,7 +1321,10 @@ class SiteDaemon:
                 if call.done() or wire.UPLOAD_GO_AHEAD not in metadata:
                     return  # refused or broken before the go-ahead: the call says why
                 shared.told(str(metadata.get(wire.UPLOAD_ID, "")))
+                if switch is not None:
+                    switch.count.began()
                 offset = int(metadata.get(wire.UPLOAD_OFFSET, 0)) - header.range_start
+                position[0] = position[1] = header.range_start + offset
                 if offset:
                     log.info(
                         "round %d: the server holds %d bytes of this stream's; sending the rest",
@@ -1200,15 +1332,35 @@ class SiteDaemon:
                         offset,
                     )
                 for chunk in wire.chunks_after(chunks(), offset):
+                    position[1] = position[0] + len(chunk.data)
                     yield chunk
+                    position[0] = position[1]
                     if moved is not None:
                         moved(len(chunk.data))
 
             call = upload.future(items())
             calls.put(call)
-            return call.result()
+            if switch is None:
+                return call.result()
+            switch.follow(call)
+            try:
+                return call.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                if switch.switched:
+                    raise _CallCut(*position) from None
+                raise
 
         return self._through_outages(link, deadline_unix, "upload", attempt)
+
+
+class _CallCut(Exception):
+    """An upload's plain call was cut for more streams after gRPC had taken `position`
+    bytes; it was sending those up to `in_flight_end` (the server may hold them)."""
+
+    def __init__(self, position: int, in_flight_end: int) -> None:
+        super().__init__(f"cut at byte {position}")
+        self.position = position
+        self.in_flight_end = in_flight_end
 
 
 def _counted(chunks: Iterator[Chunk], moved: Callable[[int], None]) -> Iterator[Chunk]:
@@ -1286,19 +1438,16 @@ def delta_chunk(local: ModelState, piece: Chunk) -> Chunk:
     return Chunk(piece.name, piece.dtype, piece.shape, piece.offset, data)
 
 
-def update_chunks(
-    link: Link, local: ModelState, global_state: ModelState, chunk_bytes: int | None = None
-) -> UpdateChunks:
-    """The plain update's chunks (of `chunk_bytes`, default the server's), made anew for
-    each stream of its upload: the delta as it is, or encoded with the link's codec
-    (once: encoding moves top-k's residual)."""
-    size = chunk_bytes or link.chunk_bytes
+def update_chunks(link: Link, local: ModelState, global_state: ModelState) -> UpdateChunks:
+    """The plain update's chunks (of the server's chunk_bytes), made anew for each
+    stream of its upload: the delta as it is, or encoded with the link's codec (once:
+    encoding moves top-k's residual)."""
     if link.codec.name == "none":
         return UpdateChunks(
-            lambda: global_state.chunks(size), functools.partial(delta_chunk, local)
+            global_state.chunks, link.chunk_bytes, functools.partial(delta_chunk, local)
         )
     encoded = link.codec.encode(compute_delta(local, global_state))
-    return UpdateChunks(lambda: encoded.chunks(size))
+    return UpdateChunks(encoded.chunks, link.chunk_bytes)
 
 
 class _PhaseClock:

@@ -16,27 +16,32 @@ and range_start/range_end), and a stream that breaks resumes only its own range.
 Downloads ask for byte ranges of the same download (ModelRequest.offset/end); the
 chunks of all streams go into one `StateAssembler`, which refuses any byte twice.
 
-How many streams (`transfer_streams` in site.toml): the site's choice (default one),
-or 0 (automatic), which adapts to the link per transfer and per direction. Not the
-default: ranges cost CPU per chunk, and on a fast link (a 400 MB model on loopback)
-even the automatic choice's first, ranged stream moved 3-4x slower than one call
-(benchmarks/RESULTS.md, "The automatic count: not the default"). Measured on the
-emulated 100 Mbit/s, 40 ms links (benchmarks/RESULTS.md "WAN: parallel streams"): at 1%
-loss under cubic 32 / 64 streams reach 58% / 68% of the line rate where one reaches 3%,
-but on a clean link they cost (79% with 32 against 89% with one), and with many streams
-the server's download-rate estimate (`links.py`) reads high by what the streams'
-buffers hold. No fixed count serves both links, so `StreamCount` starts from one and
-multiplies the count by GROWTH (4) while the streams raise the rate the transfer moves
-its bytes at by more than GAIN, measured after a warm-up (a new connection's handshake
-and slow start are not "no gain"); when a step does not pay, the streams it added
-finish their range and take no other; a count that stopped is probed again every
-REPROBE_S (what limited it, e.g. a server busy with other sites, may have gone). A
-clean link so keeps one stream (after a probe of four for about a second), a lossy one
-gets many. The next transfer in the same direction starts from half the count this
-one stayed at; one that stayed at one stream tells the next the rate it had, and the
-next is one call, as with `transfer_streams = 1`, measured: if it moves slower, the one
-after probes (a clean link pays the probe once, not every transfer). Transfers under
-PROBE_MIN_BYTES are not probed.
+How many streams (`transfer_streams` in site.toml): a fixed count, or 0 (automatic, the
+default), which adapts to the link per transfer and per direction. No fixed count serves
+every link: on a fast one ranges cost CPU per chunk (a 400 MB model on loopback moved
+3-4x slower over them than in one call: benchmarks/RESULTS.md, "The automatic count:
+not the default"), on a clean WAN link they cost a little too (79% of the line rate with
+32 against 89% with one), and at 1% loss under cubic 32 / 64 streams reach 58% / 68% of
+it where one reaches 3% ("WAN: parallel streams"). So a transfer starts as one plain
+call, exactly as with `transfer_streams = 1`, and `CallSwitch` watches it
+(`StreamCount.poll`): after DECIDE_S, if at its rate the rest would still take more than
+SWITCH_S, the call is cut where it stands and the rest moves in ranges: a download asks
+for the bytes after those it received; an upload's call is resumed on the server with
+its range ending where the server holds it (`resumable.py` there), and the ranges join
+that upload. From then on `StreamCount` multiplies the count by GROWTH (4) while the
+streams raise the rate the transfer moves its bytes at by more than GAIN, measured after
+a warm-up (a new connection's handshake and slow start are not "no gain"); when a step
+does not pay, the streams it added finish their range and take no other; a count that
+stopped is probed again every REPROBE_S (what limited it, e.g. a server busy with other
+sites, may have gone). `StreamMemory` starts the next transfer in the same direction at
+the count this one stayed at (an upload with no history at its download's), ranged from
+the start: a lossy link's streams are not probed for anew every round. One transfer in
+DESCEND_EVERY that starts above one stream first steps down (a quarter of the streams
+while they move within GAIN of more), so a link that got clean goes back to one stream,
+and the transfers after one that found one stream as fast as more are plain calls again
+(one that is slower than that one was is cut and probed at once). Transfers under
+PROBE_MIN_BYTES are one call. With many streams the server's download-rate estimate
+(`links.py`) reads high by what the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -104,61 +109,96 @@ FIRST_RANGE_BYTES = 1 << 20
 #: then stands far above the noise of a measurement, a clean link's (none) far below,
 #: and 64 streams are three steps away.
 GROWTH = 4
-#: A transfer at one stream that reaches this share of the rate the previous one had
-#: (when more streams gained nothing) does not probe: the link is as it was.
+#: A plain call that reaches this share of the rate one stream had in the previous
+#: transfer (when more streams gained nothing) does not switch: the link is as it was.
 AS_BEFORE = 0.8
+#: A plain call is judged once it has run this long: a fast link (a LAN, loopback) is
+#: done by then, or close to it, and never sees a second connection.
+DECIDE_S = 1.2
+#: ...and switches to ranges over more streams when at its rate the rest would still
+#: take longer than this: long enough to pay for a probe step (~1.2 s at partial rate),
+#: so that a clean link's single flow, which would gain nothing, is left alone.
+SWITCH_S = 5.0
+#: A plain call whose rate would take longer than this to measure (MEASURE_CHUNKS
+#: chunks at its rate's upper bound) switches unmeasured: a lossy link's single flow
+#: moves a 4 MiB chunk in seconds, and it is not worth waiting for.
+MEASURE_LIMIT_S = 2.0
 #: A count that stopped growing is probed again after this long: what limited it may
 #: have gone (other sites' transfers that loaded the server ended).
 REPROBE_S = 5.0
 #: More streams (GROWTH times as many) are kept only if they raise the aggregate rate by
 #: more than this: on a lossy link they multiply it, where the link or the server is the
 #: limit they add little (a flow's own overheads, noise) but cost connections, and with
-#: many the server's download-rate estimate reads high (`links.py` there).
-GAIN = 0.5
+#: many the server's download-rate estimate reads high (`links.py` there). Not more: the
+#: last step on a lossy link nears its capacity (16 streams ~55% of a 100 Mbit/s, 1%
+#: loss link, 64 ~70-80%), so it gains less than half, and was taken back at 0.5.
+GAIN = 0.25
 
 
 class UpdateChunks:
     """An update's chunks, made anew for each stream (or range) of its upload: cheap
-    `pieces` (views of the model, or of the encoded update), turned into the update's
-    chunks by `convert` (the delta of each) only for the chunks a stream sends."""
+    `pieces` of `chunk_bytes` (views of the model, or of the encoded update), turned
+    into the update's chunks by `convert` (the delta of each) only for the chunks a
+    stream sends."""
 
     def __init__(
         self,
-        pieces: Callable[[], Iterator[Chunk]],
+        pieces: Callable[[int], Iterator[Chunk]],
+        chunk_bytes: int,
         convert: Callable[[Chunk], Chunk] | None = None,
     ) -> None:
         self._pieces = pieces
+        self.chunk_bytes = chunk_bytes
         self._convert = convert
 
     def __call__(self) -> Iterator[Chunk]:
         return self.between(0, None)
 
     def sizes(self) -> list[int]:
-        return [len(piece.data) for piece in self._pieces()]
+        return [len(piece.data) for piece in self._pieces(self.chunk_bytes)]
 
     def between(self, start: int, end: int | None) -> Iterator[Chunk]:
         """The chunks of bytes [start, end) (None: to the end), chunk boundaries."""
+        pieces = self._pieces(self.chunk_bytes)
         pieces = (
-            wire.chunks_after(self._pieces(), start)
+            wire.chunks_after(pieces, start)
             if end is None
-            else wire.chunks_between(self._pieces(), start, end)
+            else wire.chunks_between(pieces, start, end)
         )
         return pieces if self._convert is None else map(self._convert, pieces)
+
+    def for_ranges(self) -> UpdateChunks:
+        """The same update in chunks of at most PARALLEL_CHUNK_BYTES, for ranges (enough
+        of them to share out), whose boundaries include all of these chunks' (a plain
+        call cut at one of its chunks continues in ranges from there); these chunks
+        themselves when their size is no multiple of it."""
+        size = self.chunk_bytes
+        if size <= PARALLEL_CHUNK_BYTES or size % PARALLEL_CHUNK_BYTES:
+            return self
+        return UpdateChunks(self._pieces, PARALLEL_CHUNK_BYTES, self._convert)
 
 
 class StreamCount:
     """How many streams a transfer runs: a fixed count, or (automatic) one that grows
     while more streams raise the rate the transfer moves its bytes at.
 
-    Adaptive: from `start`, after each change the aggregate rate is measured (past
+    Automatic, from one stream: the transfer is one plain call (`alone`), exactly as
+    with a fixed one, watched by `poll`: once it has run DECIDE_S, if at its rate the
+    rest would still take more than SWITCH_S, the count becomes GROWTH (`parallel`),
+    and the transfer cuts its call where it stands and moves the rest in ranges. A
+    fast link so never pays for ranges, a slow one is probed within seconds.
+
+    With more than one stream, after each change the aggregate rate is measured (past
     WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement grows
-    the count GROWTH times; a later one grows it again if the rate rose by more than
-    GAIN over the best so far, else the count goes back to that best one (the streams
-    added last finish the range they hold and take no other) and stays for REPROBE_S.
-    `limit` caps it. The
-    bytes are those the streams moved: a download's read off its connections, an
-    upload's taken by gRPC (HTTP/2 flow control takes a chunk only as the server reads
-    the earlier ones, so past the warm-up it is the rate the server receives)."""
+    the count GROWTH times (with `descend`: shrinks it GROWTH times, to find out whether
+    the link got better); a later one grows it again if the rate rose by more than GAIN
+    over the best so far, else the count goes back to that best one (the streams added
+    last finish the range they hold and take no other) and stays for REPROBE_S. A
+    descent goes on while fewer streams move within GAIN of the best, and comes back
+    up to it when they do not. `limit` caps it. The bytes are those the streams moved:
+    a download's read off its connections, an upload's taken by gRPC (HTTP/2 flow
+    control takes a chunk only as the server reads the earlier ones, so past the
+    warm-up it is the rate the server receives)."""
 
     def __init__(
         self,
@@ -167,12 +207,18 @@ class StreamCount:
         *,
         adaptive: bool = True,
         known: float | None = None,
+        total: int = 0,
+        descend: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limit = max(1, limit)
         self.adaptive = adaptive
         self.current = max(1, min(start, self.limit))
-        self.settled = not adaptive or self.current >= self.limit
+        #: The transfer's bytes (what `poll` judges the rest by).
+        self.total = total
+        #: One plain call, measured by `poll`, until it says more streams would pay.
+        self.alone = adaptive and self.current == 1 and self.limit > 1
+        self.settled = not adaptive or (self.current >= self.limit and not descend)
         #: Notified when `current` changes (run_ranges starts the new streams).
         self.changed = threading.Condition()
         #: The counts tried, in order (the last is where it stayed), and the rates
@@ -185,15 +231,20 @@ class StreamCount:
         self._chunks = 0
         self._moved = 0
         self._best = (self.current, 0.0)  # (count, its rate)
-        #: The rate the previous transfer had at `start` streams when more gained
-        #: nothing: reached again, this one does not probe (see `next_start`).
+        self._descend = descend and self.current > 1
+        #: Whether the count went back to the best one after a step that did not pay.
+        self._held_back = False
+        if known is not None and self.current > 1 and not self._descend:
+            # the previous transfer took back the step above `start`: no probe at once
+            self.settled, self._best, self._held_back = True, (self.current, known), True
+        #: The rate one stream had in the previous transfer when more gained nothing:
+        #: a plain call that moves about as fast does not switch (see `next_start`).
         self._known = known
-        self._skipped = False
-        #: One call for the whole transfer, measured: where one stream was as fast as
-        #: more the last time (`next_start`), so that a clean link moves its bytes
-        #: exactly as with `transfer_streams = 1`; if it turns out slower, the next
-        #: transfer probes.
-        self.alone = adaptive and self.current == 1 and known is not None
+        self._as_before = False
+        #: A plain call's chunks: (when, bytes moved) at the first and at the last.
+        self._first: tuple[float, int] | None = None
+        self._last: tuple[float, int] | None = None
+        self._arrived = 0
 
     @classmethod
     def fixed(cls, count: int) -> StreamCount:
@@ -201,16 +252,23 @@ class StreamCount:
 
     @property
     def parallel(self) -> bool:
-        """Whether the transfer may use more than one stream (ranges, not one call)."""
+        """Whether the transfer uses more than one stream (ranges, not one call) now."""
         return self.limit > 1 and not self.alone
 
     def moved(self, nbytes: int) -> None:
         """A stream moved a chunk of `nbytes`: measure, and perhaps change the count."""
         with self.changed:
             self._moved += nbytes
-            if not self.adaptive or (self.settled and (self.alone or self.current >= self.limit)):
-                return
             now = self._clock()
+            if self.alone:  # measured from the first chunk past the warm-up
+                if self._first is None and now - self._changed_at >= WARMUP_S:
+                    self._first = (now, self._moved)
+                if self._first is not None:
+                    self._last = (now, self._moved)
+                    self._arrived += 1
+                return
+            if not self.adaptive or (self.settled and self.current >= self.limit):
+                return
             if self.settled:
                 if now - self._changed_at < REPROBE_S:
                     return
@@ -226,23 +284,71 @@ class StreamCount:
                 return
             self._decide((self._moved - before) / (now - since), now)
 
+    def began(self) -> None:
+        """The transfer's bytes start moving now (an upload's go-ahead: the wait for the
+        server's transfer slot before it is no slow link)."""
+        with self.changed:
+            self._changed_at = self._clock()
+
+    def poll(self, in_flight: int) -> bool:
+        """While the transfer is one plain call (`in_flight`: the bytes of the chunk it
+        is moving): True once more streams should take over (the count is then GROWTH:
+        cut the call where it stands and move the rest in ranges). The call's rate
+        counts from its first chunk past WARMUP_S on (not the request's round trip, the
+        connection's slow start, nor what the buffers took at once); a chunk arrives
+        whole, so until MEASURE_CHUNKS more have (over MEASURE_S), the rate is bounded
+        above by counting the one in flight as moved. The call switches when even that
+        bound leaves more than SWITCH_S of transfer, and either the rate is measured or
+        measuring it would take longer than MEASURE_LIMIT_S (a lossy link's single
+        flow: its 4 MiB chunks take seconds each); it stays alone when the previous
+        transfer found one stream as fast as more and this one moves about as fast."""
+        with self.changed:
+            if not self.alone or self.settled:
+                return False
+            now = self._clock()
+            if now - self._changed_at < DECIDE_S:
+                return False
+            first, last = self._first, self._last
+            if first is None or last is None:
+                since, moved, measured = self._changed_at, self._moved, False
+            else:
+                since, moved = first[0], self._moved - first[1]
+                measured = self._arrived > MEASURE_CHUNKS and last[0] - first[0] >= MEASURE_S
+            bound = (moved + in_flight) / max(now - since, 1e-6)
+            rate = 0.0
+            if measured and first is not None and last is not None:
+                rate = (last[1] - first[1]) / (last[0] - first[0])
+            if measured and self._known is not None and rate >= self._known * AS_BEFORE:
+                self.settled = self._as_before = True  # the link is as it was: no probe
+                self.rates.append(rate)
+                return False
+            if (self.total - self._moved) / bound <= SWITCH_S:
+                return False  # soon done at this rate (asked again later)
+            if not measured and MEASURE_CHUNKS * in_flight / bound <= MEASURE_LIMIT_S:
+                return False  # measure it first: a clean link is not probed for nothing
+            self.rates.append(rate)
+            self.alone = False
+            self._best = (1, rate)
+            self.current = min(GROWTH, self.limit)
+            self.tried.append(self.current)
+            self._changed_at, self._mark = now, None
+            self.changed.notify_all()
+            return True
+
     def _decide(self, rate: float, now: float) -> None:
         log.debug("%d streams: %.2f MB/s", self.current, rate / 1e6)
         self.rates.append(rate)
         best_count, best_rate = self._best
-        known, self._known = self._known, None
-        if known is not None and rate >= known * AS_BEFORE:  # no probe
-            self._best, self.settled, self._skipped = (self.current, rate), True, True
-            self._changed_at = now
-            return
-        if self.alone:  # slower than before, on one call: the next transfer probes
-            self._best, self.settled = (self.current, 0.0), True
-            return
-        if self.current != best_count and rate <= best_rate * (1 + GAIN):
+        if self._descend:
+            before = self.current
+            self._step_down(rate, best_count, best_rate)
+            if self.current == before:
+                return
+        elif self.current != best_count and rate <= best_rate * (1 + GAIN):
             # the streams added last did not pay: back to the best count, for good
-            self.current, self.settled = best_count, True
+            self.current, self.settled, self._held_back = best_count, True, True
         else:
-            self._best = (self.current, rate)
+            self._best, self._held_back = (self.current, rate), False
             if self.current >= self.limit:
                 self.settled = True
                 return
@@ -251,16 +357,38 @@ class StreamCount:
         self._changed_at, self._mark = now, None
         self.changed.notify_all()
 
+    def _step_down(self, rate: float, best_count: int, best_rate: float) -> None:
+        """A descent's decision: fewer streams while they move within GAIN of the best
+        (the more were not needed); back up to the best, for good, when they do not."""
+        if self.current == best_count or rate * (1 + GAIN) >= best_rate:
+            self._best = (self.current, rate)
+            if self.current > 1:
+                self.current = max(1, self.current // GROWTH)
+                return
+        else:
+            self.current = best_count
+        self._descend, self.settled = False, True
+
     def next_start(self) -> tuple[int, float | None]:
-        """Where the next transfer in this direction starts (its `start`, `known`): at
-        half the count this one stayed at; at one stream, when more gained nothing (or
-        were not tried, as before), with the rate one had: the next does not probe
-        again while one stream moves about as fast (a clean link pays no probe each
-        transfer, and a link that turned lossy is probed at once)."""
+        """Where the next transfer in this direction starts (its `start`, `known`): at the
+        count this one stayed at (the best measured one, if it ended mid-probe), so that
+        a lossy link's many streams are not probed for anew, with its rate where more
+        streams were tried and did not pay (the next does not try them again before
+        REPROBE_S); at one stream, a plain call, where one moved as fast as more (then
+        with its rate: the next call does not switch while it moves about as fast, so a
+        clean link pays no probe each time)."""
         count, rate = self._best
-        if self.current == 1 == count and rate > 0 and (len(self.tried) > 1 or self._skipped):
-            return 1, rate
-        return max(1, self.current // 2), None
+        if self.current == 1:
+            if self._as_before:
+                return 1, self._known
+            if count == 1 and rate > 0 and len(self.tried) > 1:
+                return 1, rate
+            return 1, None
+        if not self.settled and rate > 0:
+            return count, None
+        if self.settled and self._held_back and rate > 0:
+            return self.current, rate
+        return self.current, None
 
     def describe(self) -> str:
         """E.g. "1 -> 4 -> 1 streams (automatic; measured 11.2, 11.5 MB/s)"."""
@@ -269,8 +397,105 @@ class StreamCount:
         return f"{counts} streams (automatic; measured {rates or 'nothing'} MB/s)"
 
 
+#: Every this many transfers in a direction that start above one stream, one starts by
+#: stepping down (`StreamCount` descend): a link that got better sheds its streams, at
+#: the cost of a measurement at fewer on one transfer in this many where it did not.
+DESCEND_EVERY = 4
+
+
+class StreamMemory:
+    """Where the automatic count starts each transfer, per direction ("down", "up"):
+    at the count the previous one in that direction stayed at; without one, at the
+    other direction's (a site's first upload starts where its download's probe ended);
+    else one plain call."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[int, float | None]] = {}
+        self._above: dict[str, int] = {}  # transfers started above one stream, per direction
+
+    def start(self, direction: str) -> tuple[int, float | None]:
+        if direction in self._last:
+            return self._last[direction]
+        for other, (count, _) in self._last.items():
+            if other != direction:
+                return count, None
+        return 1, None
+
+    def plan(self, configured: int, nbytes: int, direction: str) -> StreamCount:
+        start = self.start(direction)
+        descend = (
+            start[0] > 1 and self._above.get(direction, 0) % DESCEND_EVERY == DESCEND_EVERY - 1
+        )
+        return stream_plan(configured, nbytes, start, descend)
+
+    def ended(self, direction: str, count: StreamCount) -> None:
+        """Remember where an automatic transfer stayed."""
+        if not count.adaptive:
+            return
+        if count.tried[0] > 1:
+            self._above[direction] = self._above.get(direction, 0) + 1
+        self._last[direction] = count.next_start()
+
+
+#: How often a plain call's rate is judged (`CallSwitch`).
+POLL_S = 0.2
+
+
+class CallSwitch:
+    """Watches a transfer's plain call (`StreamCount.poll`, every POLL_S, in a thread of
+    its own while it runs: a lossy link's chunk may take seconds to arrive) and cancels
+    it once more streams should take over; the transfer then moves the rest in ranges
+    from where the call stood. `follow` each call the transfer makes (a broken one is
+    resumed by another). A count that is not automatic is not watched."""
+
+    def __init__(self, count: StreamCount, in_flight: int) -> None:
+        self.count = count
+        self._in_flight = in_flight
+        self._call: object = None
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def switched(self) -> bool:
+        return self.count.parallel
+
+    def follow(self, call: object) -> None:
+        """`call` (with a `cancel()`) carries the transfer now."""
+        with self._lock:
+            self._call = call
+        if self.switched:
+            self._cut()
+
+    def _cut(self) -> None:
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()  # type: ignore[attr-defined]
+
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_S):
+            if self.count.poll(self._in_flight):
+                self._cut()
+                return
+
+    def __enter__(self) -> CallSwitch:
+        if self.count.alone:
+            self._thread = threading.Thread(target=self._watch, name="fedtrain-switch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def stream_plan(
-    configured: int, nbytes: int, start: tuple[int, float | None] = (1, None)
+    configured: int,
+    nbytes: int,
+    start: tuple[int, float | None] = (1, None),
+    descend: bool = False,
 ) -> StreamCount:
     """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice,
     which starts at `start` (the previous transfer's `next_start`; one, for a transfer
@@ -279,7 +504,9 @@ def stream_plan(
         return StreamCount.fixed(1)
     if configured > 0:
         return StreamCount.fixed(configured)
-    return StreamCount(start[0], wire.MAX_TRANSFER_STREAMS, known=start[1])
+    return StreamCount(
+        start[0], wire.MAX_TRANSFER_STREAMS, known=start[1], total=nbytes, descend=descend
+    )
 
 
 class RangeCutter:
@@ -307,12 +534,13 @@ class RangeCutter:
         self._lock = threading.Lock()
 
     @classmethod
-    def over_chunks(cls, sizes: Sequence[int]) -> RangeCutter:
-        """An upload's: ranges end at chunk boundaries, and there are at most
-        wire.MAX_UPLOAD_RANGES of them (the server refuses more)."""
+    def over_chunks(cls, sizes: Sequence[int], start: int = 0, first_end: int = 0) -> RangeCutter:
+        """An upload's (from byte `start`, a chunk boundary): ranges end at chunk
+        boundaries, and there are at most wire.MAX_UPLOAD_RANGES of them (the server
+        refuses more)."""
         ends = list(itertools.accumulate(sizes))
         total = ends[-1] if ends else 0
-        return cls(0, total, ends, -(-total // wire.MAX_UPLOAD_RANGES))
+        return cls(start, total, ends, -(-total // wire.MAX_UPLOAD_RANGES), first_end)
 
     @property
     def exhausted(self) -> bool:
@@ -369,7 +597,8 @@ def run_ranges(
 ) -> list[_T]:
     """`send(stream, range)` for every range `cutter` hands out, `LANES` at a time on
     each of the `count.current` streams (more are started as the count grows; a stream
-    the count dropped takes no new range). The first range goes first, and with
+    the count dropped takes no new range, and starts again if the count comes back up
+    to it). The first range goes first, and with
     `upload` the others start once its id is known. Returns the results in range order;
     the first failure is raised once every stream has stopped (none takes a new range
     after it, nor after `stop`)."""
@@ -403,32 +632,41 @@ def run_ranges(
             with count.changed:
                 count.changed.notify_all()
 
-    lanes: list[threading.Thread] = []
+    lanes: dict[int, threading.Thread] = {}  # the running (or last) lane of each number
+    threads: list[threading.Thread] = []
 
-    def start(byte_range: tuple[int, int] | None = None) -> None:
+    def start(number: int, byte_range: tuple[int, int] | None = None) -> None:
         thread = threading.Thread(
-            target=lane, args=(len(lanes), byte_range), name="fedtrain-stream", daemon=True
+            target=lane, args=(number, byte_range), name="fedtrain-stream", daemon=True
         )
-        lanes.append(thread)
+        lanes[number] = thread
+        threads.append(thread)
         thread.start()
 
-    start(first)
+    def missing() -> list[int]:
+        """Lanes the count wants that do not run (new, or retired by a count that fell
+        and wanted again)."""
+        return [
+            n for n in range(count.current * LANES) if n not in lanes or not lanes[n].is_alive()
+        ]
+
+    start(0, first)
     while True:
         with count.changed:
             count.changed.wait_for(
                 lambda: (
                     failed.is_set()
                     or cutter.exhausted
-                    or count.current * LANES > len(lanes)
-                    or not any(t.is_alive() for t in lanes)
+                    or bool(missing())
+                    or not any(t.is_alive() for t in threads)
                 ),
                 timeout=1.0,
             )
-        if failed.is_set() or cutter.exhausted or not any(t.is_alive() for t in lanes):
+        if failed.is_set() or cutter.exhausted or not any(t.is_alive() for t in threads):
             break
-        while len(lanes) < count.current * LANES:
-            start()
-    for thread in lanes:
+        for number in missing():
+            start(number)
+    for thread in threads:
         thread.join()
     if errors:
         raise errors[0]
