@@ -327,6 +327,7 @@ def test_a_download_in_ranges_reassembles_the_model_exactly(tmp_path, stop_after
         for piece in pieces[1:]:
             assembler.add(wire.chunk_from_proto(piece.chunk))  # refuses any byte twice
     assert assembler.finish().equal(server.coordinator.global_model.state)
+    assert _audit(server, "download_resumed") == []  # a range is not a resumed download
 
 
 def test_the_site_chooses_the_stream_count_and_a_single_chunk_travels_alone() -> None:

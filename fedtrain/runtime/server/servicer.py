@@ -688,8 +688,14 @@ class FedtrainServicer:
                 f"site {session.site!r} asked for model {request.version[:12]}, but the current "
                 f"global model is {current.version[:12]} (after round {current.round})",
             )
-        log.debug("site %r downloads model %s", session.site, model.version[:12])
-        if request.offset:
+        log.debug(
+            "site %r downloads model %s [%d, %s)",
+            session.site,
+            model.version[:12],
+            request.offset,
+            request.end or "end",
+        )
+        if request.offset and not request.end:  # a range of parallel streams starts anywhere
             log.info("site %r: model download resumes at byte %d", session.site, request.offset)
             self.audit.record(
                 "download_resumed",
