@@ -982,7 +982,7 @@ class SiteDaemon:
         else:
             count = self._stream_plan(link, total, "down")
         if first_end and count.parallel:
-            cutter = RangeCutter(0, total, first_end=first_end)
+            cutter = RangeCutter.over_download(0, total, first_end)
             chunks = self._ranged_download(
                 link, deadline_unix, manifest, request, count, cutter, pieces
             )
@@ -1014,7 +1014,7 @@ class SiteDaemon:
                 yield chunk
         if switch.switched and received < manifest.total_bytes:
             log.debug("model %s: one call cut at byte %d", manifest.model_version[:12], received)
-            cutter = RangeCutter(received, manifest.total_bytes)
+            cutter = RangeCutter.over_download(received, manifest.total_bytes)
             yield from self._ranged_download(link, deadline_unix, manifest, request, count, cutter)
 
     def _ranged_download(

@@ -542,6 +542,14 @@ class RangeCutter:
         total = ends[-1] if ends else 0
         return cls(start, total, ends, -(-total // wire.MAX_UPLOAD_RANGES), first_end)
 
+    @classmethod
+    def over_download(cls, start: int, end: int, first_end: int = 0) -> RangeCutter:
+        """A download's: no range shorter than the server's range pieces
+        (wire.RANGE_CHUNK_BYTES), since a range gets the pieces that start in it; cut
+        finer, the end of a transfer became thousands of calls that each got one piece
+        or none (64 streams at 1% loss: 39-45% of line rate instead of 64-76%)."""
+        return cls(start, end, least=wire.RANGE_CHUNK_BYTES, first_end=first_end)
+
     @property
     def exhausted(self) -> bool:
         return self._next >= self.end
