@@ -55,8 +55,6 @@ class SharedDownloads:
         #: whole reference) and their wire bytes, each made once.
         self._version = ""
         self._made: dict[tuple[str, ...], asyncio.Future[Any]] = {}
-        #: Their manifests, built once (parallel streams ask for one per range).
-        self._manifests: dict[tuple[str, ...], pb.Manifest] = {}
 
     def serves(self, capabilities: Collection[str]) -> bool:
         """Whether a site with these join capabilities is served the encoded downloads."""
@@ -87,13 +85,12 @@ class SharedDownloads:
         if model.version != self._version:  # a new global model: the last one's encodings go
             self._version = model.version
             self._made.clear()
-            self._manifests.clear()
         download = await self._download(model, encoded, held, run)
-        key = (model.version, "pieces", download.codec, download.base, str(download.reference))
-        pieces = await self._once((*key, str(size)), run, self._pieces, download.parts, size)
-        manifest = self._manifests.get(key)
-        if manifest is None:
-            manifest = self._manifests[key] = self._manifest(model, download)
+        key = (model.version, download.codec, download.base, str(download.reference))
+        parts = download.parts
+        pieces = await self._once((*key, "pieces", str(size)), run, self._pieces, parts, size)
+        # (once too: parallel streams ask for the manifest with every range)
+        manifest = await self._once((*key, "manifest"), run, self._manifest, model, download)
         return manifest, pieces
 
     async def _download(self, model: GlobalModel, encoded: bool, held: str, run: Run) -> Download:
