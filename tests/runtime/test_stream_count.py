@@ -62,19 +62,31 @@ def _auto(clock: Clock, nbytes: int, start: int = 1, limit: int = 64, **options)
     return StreamCount(start, limit, total=nbytes, clock=clock, **options)
 
 
-def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() -> None:
+def _overflowing(k: int, _: float) -> float:
+    """A lossy link whose queue 64 flows overflow: each flow adds its share up to 16,
+    and 64 move half what 16 do."""
+    return min(k, 16) * FLOW if k <= 16 else 8 * FLOW
+
+
+def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower() -> None:
     """Every flow adds its share until the link is full (about 17 flows here): 64 gain
-    nothing over 16, and the count goes back to 16."""
+    nothing over 16 but are not slower, and stay (a window cannot tell them apart from
+    a gain: measured on a real lossy link 64 move 65% of it, 16 39%); where 64 are
+    slower the count goes back to 16, and the next transfer does not try 64 again."""
     clock = Clock()
     count = _auto(clock, 100 << 20)
     assert count.alone and not count.parallel  # a plain call first
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
-    assert count.tried[:5] == [1, 4, 16, 64, 16] and count.current == 16
-    assert set(count.tried[5:]) <= {16, 64}  # probed again now and then: no gain
-    start, known = count.next_start()
+    assert count.tried == [1, 4, 16, 64] and count.settled
+    assert count.next_start() == (64, None)
+    slower = _auto(clock, 100 << 20)
+    _transfer(slower, clock, _overflowing, 100 << 20)
+    assert slower.tried[:5] == [1, 4, 16, 64, 16] and slower.current == 16
+    assert set(slower.tried[5:]) <= {16, 64}  # probed again now and then: still slower
+    start, known = slower.next_start()
     assert start == 16 and known is not None
-    following = _auto(clock, 20 << 20, start, known=known)  # 64 gained nothing: not again
-    _transfer(following, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 20 << 20)
+    following = _auto(clock, 20 << 20, start, known=known)  # 64 lost: not again
+    _transfer(following, clock, _overflowing, 20 << 20)
     assert following.tried == [16]
     full = _auto(clock, 200 << 20)  # a link 64 flows do not fill: all 64 stay
     _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
@@ -82,11 +94,12 @@ def test_on_a_lossy_link_streams_multiply_while_they_raise_the_rate_then_stop() 
 
 
 def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -> None:
-    """More streams gained nothing while the server was busy with other sites (four
-    flows' worth for it); once their transfers end, the next probe finds the gain."""
+    """More streams lost rate while the server was busy with other sites (four flows'
+    worth for it, two when more came); once their transfers end, the next probe finds
+    the gain."""
     clock = Clock()
     count = _auto(clock, 48 << 20)
-    _transfer(count, clock, lambda k, _: min(k, 4) * FLOW, 8 << 20)
+    _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 8 << 20)
     assert count.tried == [1, 4, 16, 4] and count.settled
     _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)  # the others are done
     assert count.tried[4:] == [16, 64] and count.current == 64
@@ -160,7 +173,7 @@ def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_
     assert first.alone
     first._clock = clock  # (the fake clock from here on)
     first._changed_at = 0.0
-    _transfer(first, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
+    _transfer(first, clock, _overflowing, 100 << 20)
     assert first.current == 16
     memory.ended("down", first)
     upload = memory.plan(0, 100 << 20, "up")  # no upload yet: where the download stayed
@@ -170,22 +183,22 @@ def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_
 
 
 def test_a_link_that_got_clean_sheds_its_streams_and_its_transfers_become_plain_calls() -> None:
-    """Remembered at 16 streams, on a link one flow now fills: one transfer in
+    """Remembered at 16 streams, on a link one flow now fills: more are not slower, so
+    the count goes on to 64 (the price of keeping what does not lose); one transfer in
     DESCEND_EVERY steps down while fewer move as much, to one; the next is a plain call."""
     clock = Clock()
     memory = StreamMemory()
     memory._last["up"] = (16, None)
-    for _ in range(DESCEND_EVERY - 1):  # these start at 16 and stay there (no gain at 64)
+    for number in range(DESCEND_EVERY - 1):
         count = memory.plan(0, 100 << 20, "up")
-        assert count.tried == [16]
         count._clock, count._changed_at = clock, clock.now
         _transfer(count, clock, lambda k, _: LINE, 100 << 20)
-        assert count.current == 16
+        assert count.tried == ([16, 64] if number == 0 else [64])
         memory.ended("up", count)
     shedding = memory.plan(0, 100 << 20, "up")
     shedding._clock, shedding._changed_at = clock, clock.now
     _transfer(shedding, clock, lambda k, _: LINE, 100 << 20)
-    assert shedding.tried[:3] == [16, 4, 1] and shedding.current == 1
+    assert shedding.tried == [64, 16, 4, 1] and shedding.current == 1
     memory.ended("up", shedding)
     assert memory.plan(0, 100 << 20, "up").alone
 
@@ -193,9 +206,9 @@ def test_a_link_that_got_clean_sheds_its_streams_and_its_transfers_become_plain_
 def test_a_descent_that_loses_goes_back_up_for_good() -> None:
     """On a lossy link a quarter of the streams move a quarter as much: back to 16."""
     clock = Clock()
-    count = _auto(clock, 100 << 20, 16, descend=True)
-    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
-    assert count.tried[:3] == [16, 4, 16] and count.current == 16
+    count = _auto(clock, 24 << 20, 16, descend=True)
+    _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 24 << 20)
+    assert count.tried == [16, 4, 16] and count.current == 16
     assert count.next_start() == (16, None)
 
 
@@ -222,6 +235,53 @@ def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
     _transfer(count, clock, lambda k, _: slow, 4 * CHUNK)
     assert count.tried == [1, GROWTH]
     assert clock.now > WARMUP_S + MEASURE_S
+
+
+def test_a_window_holds_about_a_chunk_per_stream() -> None:
+    """A chunk arrives whole: with 16 streams, 4 chunks that land together right after
+    the warm-up (streams started together finish their first ones together) would read
+    as a rate four times the link's; the window waits for one chunk per stream."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20, 16)
+    clock.advance(WARMUP_S)
+    count.moved(CHUNK)  # the window opens
+    for _ in range(5):
+        clock.advance(MEASURE_S / 5)
+        count.moved(CHUNK)
+    assert count.tried == [16] and not count.rates  # 5 chunks in MEASURE_S: not judged
+    for _ in range(11):
+        count.moved(CHUNK)
+    assert count.tried == [16, 64] and len(count.rates) == 1
+
+
+def test_what_moves_once_every_range_is_handed_out_changes_no_count() -> None:
+    """At a transfer's end its streams run out of ranges one by one: the rate falls, and
+    the count that moved it must not be taken for slower."""
+    clock = Clock()
+    count = _auto(clock, 8 << 20, 4)
+    cutter = RangeCutter.over_download(0, 8 << 20)
+    _transfer(count, clock, lambda k, _: k * FLOW, 4 << 20)  # 4 -> 16 paid
+    assert count.tried == [4, 16]
+    while cutter.take(count, want=LINE) is not None:
+        pass
+    clock.advance(WARMUP_S)
+    _transfer(count, clock, lambda k, _: FLOW, 4 << 20)  # the last range's stream alone
+    assert count.tried == [4, 16] and count.next_start() == (16, None)
+
+
+def test_a_transfer_over_mid_step_starts_the_next_at_that_step_unless_the_call_was_alone() -> None:
+    """Ended before 64 streams were measured, after 16 paid: the next starts at 64 (it
+    would be kept unless slower); ended before 4 were measured against a plain call:
+    the next is a plain call."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20, 4)
+    _transfer(count, clock, lambda k, _: k * FLOW, 12 << 20)
+    assert count.tried == [4, 16, 64] and not count.settled
+    assert count.next_start() == (64, None)
+    plain = _auto(clock, 40 << 20)
+    _transfer(plain, clock, lambda k, _: FLOW, 2 << 20)
+    assert plain.tried == [1, GROWTH] and plain.rates[0] > 0 and not plain.settled
+    assert plain.next_start() == (1, None)
 
 
 def test_a_fixed_count_and_one_started_at_the_limit_never_change() -> None:

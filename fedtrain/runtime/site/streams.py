@@ -30,18 +30,21 @@ for the bytes after those it received; an upload's call is resumed on the server
 its range ending where the server holds it (`resumable.py` there), and the ranges join
 that upload. From then on `StreamCount` multiplies the count by GROWTH (4) while the
 streams raise the rate the transfer moves its bytes at by more than GAIN, measured after
-a warm-up (a new connection's handshake and slow start are not "no gain"); when a step
-does not pay, the streams it added finish their range and take no other; a count that
-stopped is probed again every REPROBE_S (what limited it, e.g. a server busy with other
-sites, may have gone). `StreamMemory` starts the next transfer in the same direction at
-the count this one stayed at (an upload with no history at its download's), ranged from
-the start: a lossy link's streams are not probed for anew every round. One transfer in
-DESCEND_EVERY that starts above one stream first steps down (a quarter of the streams
-while they move within GAIN of more), so a link that got clean goes back to one stream,
-and the transfers after one that found one stream as fast as more are plain calls again
-(one that is slower than that one was is cut and probed at once). Transfers under
-PROBE_MIN_BYTES are one call. With many streams the server's download-rate estimate
-(`links.py`) reads high by what the streams' buffers hold.
+a warm-up (a new connection's handshake and slow start are not "no gain") over about a
+chunk per stream, and never in the transfer's last ranges. A step that gains less stays
+if more streams than one already paid and it is not SLOWER (a window cannot tell 64
+streams from 16 on a lossy link, whole rounds can); else the streams it added finish
+their range and take no other; a count that stopped is probed again every REPROBE_S
+(what limited it, e.g. a server busy with other sites, may have gone). `StreamMemory`
+starts the next transfer in the same direction at the count this one stayed at (an
+upload with no history at its download's), ranged from the start: a lossy link's streams
+are not probed for anew every round. One transfer in DESCEND_EVERY that starts above one
+stream first steps down (a quarter of the streams while they are at most SLOWER slower
+than more), so a link that got clean goes back to one stream, and the transfers after
+one that found one stream as fast as more are plain calls again (one that is slower than
+that one was is cut and probed at once). Transfers under PROBE_MIN_BYTES are one call.
+With many streams the server's download-rate estimate (`links.py`) reads high by what
+the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -126,13 +129,21 @@ MEASURE_LIMIT_S = 2.0
 #: A count that stopped growing is probed again after this long: what limited it may
 #: have gone (other sites' transfers that loaded the server ended).
 REPROBE_S = 5.0
-#: More streams (GROWTH times as many) are kept only if they raise the aggregate rate by
-#: more than this: on a lossy link they multiply it, where the link or the server is the
-#: limit they add little (a flow's own overheads, noise) but cost connections, and with
-#: many the server's download-rate estimate reads high (`links.py` there). Not more: the
-#: last step on a lossy link nears its capacity (16 streams ~55% of a 100 Mbit/s, 1%
-#: loss link, 64 ~70-80%), so it gains less than half, and was taken back at 0.5.
+#: More streams (GROWTH times as many) grow further only if they raise the aggregate
+#: rate by more than this: on a lossy link they multiply it, where the link or the server
+#: is the limit they add little (a flow's own overheads, noise) but cost connections, and
+#: with many the server's download-rate estimate reads high (`links.py` there). The first
+#: step (from one call) is taken back when it gains less: a clean link keeps one flow.
 GAIN = 0.25
+#: Two counts whose rates differ by less than this share move about as much (a window's
+#: noise: a lossy link's flows swing, chunks arrive whole). Once more streams than one
+#: paid (the link is flow-limited), a step that gained less than GAIN is still kept
+#: unless it is this much slower: measured within a transfer, 64 streams at 1% loss
+#: read as fast as 16 about as often as faster, while over whole rounds they move 65%
+#: of a 100 Mbit/s link against 16's 39% (RESULTS, "The automatic count keeps the
+#: streams that do not lose"). A descent sheds streams while fewer are at most this
+#: much slower.
+SLOWER = 0.2
 
 
 class UpdateChunks:
@@ -189,16 +200,18 @@ class StreamCount:
     fast link so never pays for ranges, a slow one is probed within seconds.
 
     With more than one stream, after each change the aggregate rate is measured (past
-    WARMUP_S, over MEASURE_S and MEASURE_CHUNKS chunks). The first measurement grows
-    the count GROWTH times (with `descend`: shrinks it GROWTH times, to find out whether
-    the link got better); a later one grows it again if the rate rose by more than GAIN
-    over the best so far, else the count goes back to that best one (the streams added
-    last finish the range they hold and take no other) and stays for REPROBE_S. A
-    descent goes on while fewer streams move within GAIN of the best, and comes back
-    up to it when they do not. `limit` caps it. The bytes are those the streams moved:
-    a download's read off its connections, an upload's taken by gRPC (HTTP/2 flow
-    control takes a chunk only as the server reads the earlier ones, so past the
-    warm-up it is the rate the server receives)."""
+    WARMUP_S, over MEASURE_S and at least MEASURE_CHUNKS chunks and one per stream; not
+    once the last range is handed out: `ending`). The first measurement grows the count
+    GROWTH times (with `descend`: shrinks it GROWTH times, to find out whether the link
+    got better); a later one grows it again if the rate rose by more than GAIN over the
+    best so far; it stays where it is if the best is above one stream and the rate is at
+    most SLOWER below it; else the count goes back to that best one (the streams added
+    last finish the range they hold and take no other). Either way it stays for
+    REPROBE_S. A descent goes on while fewer streams are at most SLOWER slower than the
+    best, and comes back up to it when they are. `limit` caps it. The bytes are those
+    the streams moved: a download's read off its connections, an upload's taken by gRPC
+    (HTTP/2 flow control takes a chunk only as the server reads the earlier ones, so
+    past the warm-up it is the rate the server receives)."""
 
     def __init__(
         self,
@@ -245,6 +258,9 @@ class StreamCount:
         self._first: tuple[float, int] | None = None
         self._last: tuple[float, int] | None = None
         self._arrived = 0
+        #: Every range is handed out: the streams run out of work one by one, and what
+        #: they move then says nothing about their count.
+        self._ending = False
 
     @classmethod
     def fixed(cls, count: int) -> StreamCount:
@@ -267,7 +283,7 @@ class StreamCount:
                     self._last = (now, self._moved)
                     self._arrived += 1
                 return
-            if not self.adaptive or (self.settled and self.current >= self.limit):
+            if not self.adaptive or self._ending or (self.settled and self.current >= self.limit):
                 return
             if self.settled:
                 if now - self._changed_at < REPROBE_S:
@@ -280,9 +296,14 @@ class StreamCount:
                 return
             self._chunks += 1
             since, before = self._mark
-            if now - since < MEASURE_S or self._chunks < MEASURE_CHUNKS:
+            if now - since < MEASURE_S or self._chunks < max(MEASURE_CHUNKS, self.current):
                 return
             self._decide((self._moved - before) / (now - since), now)
+
+    def ending(self) -> None:
+        """The transfer's last range is handed out: no more decisions."""
+        with self.changed:
+            self._ending = True
 
     def began(self) -> None:
         """The transfer's bytes start moving now (an upload's go-ahead: the wait for the
@@ -345,6 +366,10 @@ class StreamCount:
             if self.current == before:
                 return
         elif self.current != best_count and rate <= best_rate * (1 + GAIN):
+            if best_count > 1 and rate >= best_rate * (1 - SLOWER):
+                # the link is flow-limited and these are not slower: they stay
+                self._best, self.settled, self._held_back = (self.current, rate), True, False
+                return
             # the streams added last did not pay: back to the best count, for good
             self.current, self.settled, self._held_back = best_count, True, True
         else:
@@ -358,9 +383,9 @@ class StreamCount:
         self.changed.notify_all()
 
     def _step_down(self, rate: float, best_count: int, best_rate: float) -> None:
-        """A descent's decision: fewer streams while they move within GAIN of the best
+        """A descent's decision: fewer streams while they are at most SLOWER slower than the best
         (the more were not needed); back up to the best, for good, when they do not."""
-        if self.current == best_count or rate * (1 + GAIN) >= best_rate:
+        if self.current == best_count or rate >= best_rate * (1 - SLOWER):
             self._best = (self.current, rate)
             if self.current > 1:
                 self.current = max(1, self.current // GROWTH)
@@ -371,7 +396,9 @@ class StreamCount:
 
     def next_start(self) -> tuple[int, float | None]:
         """Where the next transfer in this direction starts (its `start`, `known`): at the
-        count this one stayed at (the best measured one, if it ended mid-probe), so that
+        count this one stayed at (if it ended mid-probe: the step it was in when more
+        streams than one had paid, as that step stays unless slower; else the best
+        measured count), so that
         a lossy link's many streams are not probed for anew, with its rate where more
         streams were tried and did not pay (the next does not try them again before
         REPROBE_S); at one stream, a plain call, where one moved as fast as more (then
@@ -385,7 +412,8 @@ class StreamCount:
                 return 1, rate
             return 1, None
         if not self.settled and rate > 0:
-            return count, None
+            # mid-probe: a step past more streams that paid is kept unless slower
+            return (self.current if count > 1 else count), None
         if self.settled and self._held_back and rate > 0:
             return self.current, rate
         return self.current, None
@@ -572,6 +600,8 @@ class RangeCutter:
             if self._boundaries is not None:
                 stop = self._boundaries[bisect.bisect_left(self._boundaries, stop)]
             byte_range, self._next = (self._next, stop), stop
+            if stop >= self.end:
+                count.ending()
             return byte_range
 
 
