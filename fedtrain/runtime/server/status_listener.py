@@ -19,15 +19,21 @@ import logging
 
 import grpc
 
-from fedtrain.runtime import rpc
+from fedtrain.runtime import rpc, wire
 from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.server.status_service import StatusService
 
 log = logging.getLogger(__name__)
 
-#: Another process on the same port is an error, not a partner: gRPC's default
-#: SO_REUSEPORT would let a second listener share the port and half the calls.
-OPTIONS = [("grpc.so_reuseport", 0)]
+#: Another process on the same port is an error, not a partner (gRPC's default
+#: SO_REUSEPORT would let a second listener share the port and half the calls); and,
+#: as on the sites' port, idle peers cannot hold file descriptors, nor one connection
+#: thousands of handlers.
+OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_connection_idle_ms", int(wire.IDLE_CONNECTION_S * 1000)),
+    ("grpc.max_concurrent_streams", wire.STREAMS_PER_CONNECTION),
+]
 
 
 class StatusListener:
