@@ -3,10 +3,12 @@
 Threads, whatever the number of sites: one runs the asyncio event loop that serves
 every connection and stream (`grpc.aio`) and watches heartbeats, one the round loop
 (`Coordinator`), `cpu_threads` the CPU work handlers hand off (`servicer.py`), one
-writes checkpoints, and gRPC's core keeps a few of its own. The number of sites is
-bounded by memory and by file descriptors: the server raises its soft file limit to
-the hard one at start and admits at most as many sites as leave room for transfers
-and files (`max_sites`), refusing the rest with a retry-after hint.
+writes checkpoints, one answers Status on the run dir's socket and one on the status
+port when there is one (`status_listener.py`), and gRPC's core keeps a few of its
+own. The number of sites is bounded by memory and by file descriptors: the server
+raises its soft file limit to the hard one at start and admits at most as many sites
+as leave room for transfers and files (`max_sites`), refusing the rest with a
+retry-after hint.
 
 It also owns the observers of the run: Prometheus metrics (fed by the audit log and
 the per-round records; served when `metrics_port` is set) and, with `tensorboard =
