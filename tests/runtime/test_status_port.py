@@ -26,12 +26,11 @@ from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.demo import fedtrain_command, free_port
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.status import ServerUnreachable, fetch_status
 
 pytestmark = pytest.mark.integration
-
-STATUS_ANY_PORT = "127.0.0.1:0"
 
 
 def operator(pki: Pki, tmp_path: Path) -> ClientIdentity:
@@ -40,10 +39,14 @@ def operator(pki: Pki, tmp_path: Path) -> ClientIdentity:
     return client_identity(cert, key, pki.ca_cert)
 
 
-def status_address(server: Any) -> str:
-    assert server.status_port  # started, on a port of its own
-    assert server.status_port != server.port
-    return f"127.0.0.1:{server.status_port}"
+def serving(
+    tmp_path: Path, stop_after: list[Any], pki: Pki | None, **extra: Any
+) -> tuple[AggregationServer, str]:
+    """A started server with a status port (stopped after the test), and its address."""
+    server = inprocess_server(tmp_path, TinyTask(), pki=pki, status_address="127.0.0.1:0", **extra)
+    stop_after.append(server)
+    assert server.status_port and server.status_port != server.port  # a port of its own
+    return server, f"127.0.0.1:{server.status_port}"
 
 
 def site_rpc_codes(channel: grpc.Channel) -> list[grpc.StatusCode]:
@@ -69,9 +72,7 @@ def site_rpc_codes(channel: grpc.Channel) -> list[grpc.StatusCode]:
 def test_an_operator_is_answered_on_the_status_port_and_a_site_cannot_join_there(
     pki: Pki, tmp_path: Path, stop_after: list[Any]
 ) -> None:
-    server = inprocess_server(tmp_path, TinyTask(), pki=pki, status_address=STATUS_ANY_PORT)
-    stop_after.append(server)
-    address = status_address(server)
+    server, address = serving(tmp_path, stop_after, pki)
     state = fetch_status(address, operator(pki, tmp_path), timeout_s=10)
     assert (state.run_id, state.phase) == (server.coordinator.run_id, "waiting")
     with pytest.raises(ServerUnreachable):  # plaintext on a TLS port: no answer
@@ -87,9 +88,7 @@ def test_an_operator_is_answered_on_the_status_port_and_a_site_cannot_join_there
 def test_the_status_port_refuses_and_audits_another_cas_certificate_and_a_missing_proof(
     pki: Pki, tmp_path: Path, stop_after: list[Any]
 ) -> None:
-    server = inprocess_server(tmp_path, TinyTask(), pki=pki, status_address=STATUS_ANY_PORT)
-    stop_after.append(server)
-    address = status_address(server)
+    server, address = serving(tmp_path, stop_after, pki)
     tls.init_ca(tmp_path / "rogue-ca")  # the federation CA's name, another key
     cert, key = tls.issue_site(tmp_path / "rogue-ca", tmp_path / "rogue", "operator")
     foreign = ClientIdentity(  # a rogue client, without the start-up check of its files
@@ -127,15 +126,7 @@ def test_the_status_port_refuses_and_audits_another_cas_certificate_and_a_missin
 def test_the_status_port_demands_a_certificate_in_the_handshake_when_the_sites_port_does(
     pki: Pki, tmp_path: Path, stop_after: list[Any]
 ) -> None:
-    server = inprocess_server(
-        tmp_path,
-        TinyTask(),
-        pki=pki,
-        status_address=STATUS_ANY_PORT,
-        tls={"verify_sites_in_handshake": True},
-    )
-    stop_after.append(server)
-    address = status_address(server)
+    server, address = serving(tmp_path, stop_after, pki, tls={"verify_sites_in_handshake": True})
     who = operator(pki, tmp_path)
     assert fetch_status(address, who, timeout_s=10).run_id == server.coordinator.run_id
     anonymous = ClientIdentity(
@@ -152,9 +143,8 @@ def test_the_status_port_answers_while_the_main_loop_is_busy_and_fails_once_it_h
     from fedtrain.runtime.server import app
 
     monkeypatch.setattr(app, "LOOP_STALL_S", 4.0)
-    server = inprocess_server(tmp_path, TinyTask(), pki=pki, status_address=STATUS_ANY_PORT)
-    stop_after.append(server)
-    address, who = status_address(server), operator(pki, tmp_path)
+    server, address = serving(tmp_path, stop_after, pki)
+    who = operator(pki, tmp_path)
     assert server._loop is not None
     blocked = threading.Event()
     server._loop.call_soon_threadsafe(lambda: (blocked.set(), time.sleep(9.0)))
@@ -181,9 +171,7 @@ def answers(address: str, who: ClientIdentity) -> bool:
 def test_with_insecure_the_status_port_is_plaintext_and_still_serves_only_status(
     tmp_path: Path, stop_after: list[Any]
 ) -> None:
-    server = inprocess_server(tmp_path, TinyTask(), status_address=STATUS_ANY_PORT)
-    stop_after.append(server)
-    address = status_address(server)
+    server, address = serving(tmp_path, stop_after, pki=None)
     assert fetch_status(address, None, timeout_s=10).run_id == server.coordinator.run_id
     with grpc.insecure_channel(address) as channel:
         assert site_rpc_codes(channel) == [grpc.StatusCode.UNIMPLEMENTED] * 3
