@@ -58,8 +58,8 @@ def add_port(
         port = 0
     if port == 0:
         raise ConfigError(
-            f"cannot listen on {key} = {address!r}: the port is in use (another process, "
-            "or this server's other port) or the host is not an address of this machine; "
-            f"set {key} in server.toml to a free host:port"
+            f"cannot listen on {key} = {address!r}: is it host:port, is the port free (not "
+            "used by another process, nor by this server's other port), is the host an "
+            f"address of this machine? Set {key} in server.toml to a free host:port"
         )
     return port

@@ -234,10 +234,10 @@ def test_a_status_port_in_use_stops_the_server_from_starting(tmp_path: Path) -> 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = f"127.0.0.1:{taken.getsockname()[1]}"
-        with pytest.raises(ConfigError, match="in use") as info:
+        with pytest.raises(ConfigError, match="is the port free") as info:
             inprocess_server(tmp_path, TinyTask(), address=f"127.0.0.1:{main}", status_address=busy)
     assert f"status_address = {busy!r}" in str(info.value)
-    assert "set status_address in server.toml to a free host:port" in str(info.value)
+    assert "Set status_address in server.toml to a free host:port" in str(info.value)
     # nothing of the server is left: its sites' port is closed, its threads ended
     assert main not in listening_ports()
     left = set(threading.enumerate()) - before
