@@ -322,6 +322,13 @@ class ServerConfig:
         "from a thread of its own, so `fedtrain status --run-dir` and probes on the "
         "server's host answer in milliseconds however busy the rounds keep the main port.",
     )
+    status_address: str = option(
+        "",
+        "Also answer Status on this host:port ('0.0.0.0:50052' for all interfaces), from "
+        "a thread of its own like status_socket: for `fedtrain status --server HOST:PORT` "
+        "and probes on other hosts during busy rounds. Same TLS and certificate check as "
+        "the sites' port; only Status is served there. Empty: off.",
+    )
     tensorboard: bool = option(False, TENSORBOARD_DOC)
     tensorboard_sites: bool = option(False, TENSORBOARD_SITES_DOC)
     tracking: TrackingConfig = section(TrackingConfig, "Experiment tracking (MLflow).")
@@ -372,6 +379,8 @@ class ServerConfig:
             )
         if self.max_round_attempts < 0:
             raise ConfigError(f"max_round_attempts must be >= 0, got {self.max_round_attempts}")
+        if self.status_address:
+            _check_status_address(self.status_address, self.address)
         if self.chunk_bytes + HEADER_ALLOWANCE > self.max_message_bytes:
             raise ConfigError(
                 f"max_message_bytes ({self.max_message_bytes}) must be at least chunk_bytes "
@@ -628,6 +637,38 @@ def _positive(cfg: object, *keys: str) -> None:
         value = getattr(cfg, key)
         if not value > 0:
             raise ConfigError(f"{key} must be > 0, got {value!r}")
+
+
+#: Listen hosts that mean every interface of the machine.
+_EVERY_INTERFACE = frozenset({"0.0.0.0", "::", "[::]"})
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a 'host:port' listen address ('[::1]:50052' too), or None."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and int(port) <= 65535):
+        return None
+    return host, int(port)
+
+
+def _check_status_address(status_address: str, address: str) -> None:
+    """A status port is host:port, and not the sites' port (a clash with another
+    host's name for this machine is caught when the server binds it)."""
+    status = _host_port(status_address)
+    if status is None:
+        raise ConfigError(
+            f"status_address = {status_address!r} is not host:port (e.g. '0.0.0.0:50052' "
+            "for every interface); leave it empty for no status port"
+        )
+    host, port = status
+    sites_host, sites_port = _host_port(address) or ("", 0)
+    overlap = host == sites_host or {host, sites_host} & _EVERY_INTERFACE
+    if port != 0 and port == sites_port and overlap:
+        raise ConfigError(
+            f"status_address = {status_address!r} is the sites' port (address = "
+            f"{address!r}); give the status port a port of its own, e.g. "
+            f"'{host}:{port + 1 if port < 65535 else port - 1}'"
+        )
 
 
 def _check_heartbeat(hb: HeartbeatConfig) -> None:

@@ -405,7 +405,7 @@ def test_a_peer_that_never_answers_is_cut_off_and_audited(
 ) -> None:
     server = inprocess_server(tmp_path, TinyTask(), pki=pki)
     stop_after.append(server)
-    server.servicer.gate.timeout_s = 0.5
+    server.servicer.peers.gate.timeout_s = 0.5
     anonymous = grpc.ssl_channel_credentials(pki.ca_cert.read_bytes())
     with grpc.secure_channel(f"127.0.0.1:{server.port}", anonymous) as channel:
         control = channel.stream_stream(
@@ -418,7 +418,7 @@ def test_a_peer_that_never_answers_is_cut_off_and_audited(
         assert reply.WhichOneof("kind") == "reject"
         assert "no answer to the server's challenge within 0.5s" in reply.reject.reason
         silent.put(None)
-    wait_for(lambda: len(server.servicer.gate) == 0, 10, "the gate to free the slot")
+    wait_for(lambda: len(server.servicer.peers.gate) == 0, 10, "the gate to free the slot")
     audit = server.run_dir.path / "audit.jsonl"
     (refused,) = wait_for(lambda: read_audit(audit, "join_refused"), 10, "the refusal")
     assert refused["cause"] == "timeout" and refused["peer"].startswith("ipv4:127.0.0.1:")

@@ -3,10 +3,12 @@
 Threads, whatever the number of sites: one runs the asyncio event loop that serves
 every connection and stream (`grpc.aio`) and watches heartbeats, one the round loop
 (`Coordinator`), `cpu_threads` the CPU work handlers hand off (`servicer.py`), one
-writes checkpoints, and gRPC's core keeps a few of its own. The number of sites is
-bounded by memory and by file descriptors: the server raises its soft file limit to
-the hard one at start and admits at most as many sites as leave room for transfers
-and files (`max_sites`), refusing the rest with a retry-after hint.
+writes checkpoints, one answers Status on the run dir's socket and one on the status
+port when there is one (`status_listener.py`), and gRPC's core keeps a few of its
+own. The number of sites is bounded by memory and by file descriptors: the server
+raises its soft file limit to the hard one at start and admits at most as many sites
+as leave room for transfers and files (`max_sites`), refusing the rest with a
+retry-after hint.
 
 It also owns the observers of the run: Prometheus metrics (fed by the audit log and
 the per-round records; served when `metrics_port` is set) and, with `tensorboard =
@@ -36,7 +38,7 @@ from fedtrain.errors import ConfigError
 from fedtrain.observability.metrics import ServerMetrics
 from fedtrain.observability.tensorboard import TensorBoardWriter
 from fedtrain.run_dir import RunDir
-from fedtrain.runtime import tls, wire
+from fedtrain.runtime import rpc, tls, wire
 from fedtrain.runtime.config import ServerConfig
 from fedtrain.runtime.loop_thread import LoopThread
 from fedtrain.runtime.peer_auth import PeerVerifier
@@ -46,9 +48,12 @@ from fedtrain.runtime.server.coordinator import RUN_COMPLETE_LEAVE, Coordinator,
 from fedtrain.runtime.server.grpc_log import quiet_peer_gone
 from fedtrain.runtime.server.heap import FrozenHeap
 from fedtrain.runtime.server.local_status import LocalStatus
+from fedtrain.runtime.server.peer_check import PeerCheck
 from fedtrain.runtime.server.servicer import FedtrainServicer, generic_handler
 from fedtrain.runtime.server.sessions import FILES_RESERVED, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.status_listener import StatusListener, StatusPort
+from fedtrain.runtime.server.status_service import StatusService
 from fedtrain.runtime.server.transfer_watch import TICK_S as TRANSFER_TICK_S
 from fedtrain.runtime.server.transfer_watch import TransferWatch
 from fedtrain.runtime.server.uploads import remove_stale_spools
@@ -58,8 +63,8 @@ from fedtrain.task import Task, load_task
 log = logging.getLogger(__name__)
 
 #: The event loop notes that it runs this often; one that has not for `LOOP_STALL_S`
-#: is hung (a busy loop still runs every fraction of a second), and the local status
-#: socket says so, which fails a liveness probe.
+#: is hung (a busy loop still runs every fraction of a second), and the status socket
+#: and status port say so, which fails a liveness probe.
 LOOP_TICK_S = 1.0
 LOOP_STALL_S = 60.0
 
@@ -127,6 +132,7 @@ class AggregationServer:
         self.config = config
         self.insecure = insecure
         self._verifier: PeerVerifier | None = None
+        self._credentials: grpc.ServerCredentials | None = None  # None: --insecure
         secagg_verifier = None
         if not insecure:
             ca, cert, key = config.tls.require("server.toml")
@@ -205,12 +211,15 @@ class AggregationServer:
         self._enforcing = threading.Lock()
         self._grpc: grpc.aio.Server | None = None
         self._local_status: LocalStatus | None = None
+        self._status_port: StatusPort | None = None
         self._loop_tick = time.monotonic()
         self._loop_thread: LoopThread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self.port: int | None = None
+        #: The status port once started (None: status_address empty, off).
+        self.status_port: int | None = None
         #: The Prometheus endpoint's port once started (None: metrics_port = 0, off).
         self.metrics_port: int | None = None
 
@@ -226,16 +235,18 @@ class AggregationServer:
         self._loop = self._loop_thread.start()
         try:
             port = self._loop_thread.run(self._listen())
+            if self.config.status_address:
+                peers = PeerCheck(self._verifier, self.audit)  # its own loop, its own gate
+                self._status_port = StatusPort(
+                    self.config.status_address, self._status_service(peers), self._credentials
+                )
+                self.status_port = self._status_port.start()
         except BaseException:
             self.stop()
             raise
         self.port = port
         if self.config.status_socket:
-            local = LocalStatus(
-                self.run_dir.path,
-                lambda page: server_state(self.coordinator, self.registry, page),
-                self._loop_health,
-            )
+            local = LocalStatus(self.run_dir.path, self._status_service(peers=None))
             self._local_status = local if local.start() else None
         coordinator = threading.Thread(
             target=self.coordinator.run, name="fedtrain-coordinator", daemon=True
@@ -263,16 +274,9 @@ class AggregationServer:
         )
         server.add_generic_rpc_handlers((generic_handler(self.servicer),))
         address = self.config.address
-        try:
-            if self.insecure:
-                port = server.add_insecure_port(address)
-                log.warning(INSECURE_WARNING, address.rsplit(":", 1)[0] + f":{port}")
-            else:
-                port = server.add_secure_port(address, self._credentials)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on address = {address!r}: {exc}") from None
-        if port == 0:
-            raise ConfigError(f"cannot listen on address = {address!r} (in use or not local?)")
+        port = rpc.add_port(server, address, self._credentials, key="address")
+        if self.insecure:
+            log.warning(INSECURE_WARNING, address.rsplit(":", 1)[0] + f":{port}")
         if self.config.metrics_port:
             self.metrics_port = self.metrics.serve(
                 self.config.metrics_address, self.config.metrics_port
@@ -308,9 +312,19 @@ class AggregationServer:
         with self._enforcing:
             self.coordinator.deadlines.enforce()
 
+    def _status_service(self, peers: PeerCheck | None) -> StatusService:
+        """Status for a listener of its own (`status_listener.py`): it also says when
+        the main loop hangs, which it can, answering from another thread."""
+        return StatusService(
+            lambda page: server_state(self.coordinator, self.registry, page),
+            peers=peers,
+            health=self._loop_health,
+        )
+
     def _loop_health(self) -> str | None:
         """Why the server cannot serve its sites now (its event loop has not run for
-        `LOOP_STALL_S`), or None: what the local status socket's liveness probe checks."""
+        `LOOP_STALL_S`), or None: what a liveness probe on the status socket or the
+        status port checks."""
         stalled = time.monotonic() - self._loop_tick
         if stalled <= LOOP_STALL_S:
             return None
@@ -376,8 +390,10 @@ class AggregationServer:
             self.registry.remove(session, "server shutting down")
         if self._loop_thread is not None:
             self._loop_thread.stop(self._shutdown(grace), grace + 10)
-        if self._local_status is not None:
-            self._local_status.stop()
+        listeners: tuple[StatusListener | None, ...] = (self._local_status, self._status_port)
+        for listener in listeners:
+            if listener is not None:
+                listener.stop()
         for thread in self._threads:
             thread.join(timeout=grace + 5.0)
             if thread.is_alive():  # pragma: no cover - a stuck evaluation or checkpoint

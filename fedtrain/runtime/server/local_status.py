@@ -1,15 +1,12 @@
-"""Status on a Unix socket in the run directory, answered from its own thread.
-
-Why a second listener: the main gRPC server's event loop accepts new calls one at a
-time, interleaved with every site's transfers; during a round with a thousand sites a
-Status call waits seconds in that queue, and a Kubernetes liveness probe that asks
-there could restart a server for being busy. This listener has its own thread, event
-loop and gRPC server, so `fedtrain status --run-dir RUN_DIR` answers in milliseconds
-however busy the rounds are.
+"""Status on a Unix socket in the run directory (`status_socket`), answered from a
+thread of its own (`status_listener.py` says why), so `fedtrain status --run-dir
+RUN_DIR` and a liveness probe on the server's host answer in milliseconds however busy
+the rounds are.
 
 Who may ask is decided by the file system: the socket is owner-only, beside the run
 directory's checkpoints and audit log (the same trust boundary), so it needs no TLS and
-no certificate. Remote operators keep asking on the main port, over mutual TLS.
+no certificate. Remote operators ask on the status port (`status_address`) or the
+sites' port, over mutual TLS.
 """
 
 from __future__ import annotations
@@ -21,16 +18,13 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 
 from fedtrain.errors import ConfigError
-from fedtrain.observability.status import ServerState
-from fedtrain.runtime import status, wire
-from fedtrain.runtime.loop_thread import LoopThread
-from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server.status_listener import StatusListener
+from fedtrain.runtime.server.status_service import StatusService
 
 log = logging.getLogger(__name__)
 
@@ -60,26 +54,15 @@ def trusted_socket(run_dir: Path) -> None:
         )
 
 
-class LocalStatus:
-    """Serves the Status RPC on `RUN_DIR/status.sock` from a thread of its own.
+class LocalStatus(StatusListener):
+    """Serves `service` (which checks no peer) on `RUN_DIR/status.sock`."""
 
-    `snapshot(page)` must be safe to call from that thread: `server_state` is (it reads
-    whole-replaced fields and the registry under its lock). `health()` returns None, or
-    why the server cannot serve its sites (then the call fails, and so does a liveness
-    probe: a server whose main loop hangs is restarted, one that is only busy is not).
-    """
+    thread_name = "fedtrain-local-status"
 
-    def __init__(
-        self,
-        run_dir: Path,
-        snapshot: Callable[[status.SitePage], ServerState],
-        health: Callable[[], str | None] = lambda: None,
-    ) -> None:
+    def __init__(self, run_dir: Path, service: StatusService) -> None:
+        super().__init__(service)
         self.run_dir = Path(run_dir).resolve()
         self.path = self.run_dir / SOCKET_NAME
-        self._snapshot, self._health = snapshot, health
-        self._thread: LoopThread | None = None
-        self._server: grpc.aio.Server | None = None
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket
 
     def start(self) -> bool:
@@ -96,21 +79,7 @@ class LocalStatus:
         log.warning("no local status socket at %s: %s", self.path, why)
         return False
 
-    def _start(self) -> None:
-        self._thread = LoopThread("fedtrain-local-status")
-        self._thread.start()
-        self._thread.run(self._listen(), 30)
-
-    async def _listen(self) -> None:
-        server = grpc.aio.server()
-        handler = grpc.stream_stream_rpc_method_handler(
-            self._status,
-            request_deserializer=pb.StatusRequest.FromString,
-            response_serializer=pb.StatusMessage.SerializeToString,
-        )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(wire.SERVICE, {"Status": handler}),)
-        )
+    def _bind(self, server: grpc.aio.Server) -> int:
         # Bound in a private (0700) directory, made owner-only, then moved into place in
         # one step: no moment in which another user of the host could connect, and no
         # process-wide umask change racing with other threads' files.
@@ -124,29 +93,10 @@ class LocalStatus:
             shutil.rmtree(private, ignore_errors=True)
         info = self.path.lstat()
         self._bound = (info.st_dev, info.st_ino)
-        self._server = server
-        await server.start()
+        return 0
 
-    async def _status(
-        self, requests: AsyncIterator[pb.StatusRequest], context: grpc.aio.ServicerContext
-    ) -> None:
-        first = await context.read()
-        if first is grpc.aio.EOF:
-            return
-        unhealthy = self._health()
-        if unhealthy is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, unhealthy)
-        page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
-        state = self._snapshot(page)
-        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
-
-    def stop(self, grace: float = 0.5) -> None:
-        """Stop listening and remove our socket, never another server's (idempotent)."""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        server = self._server
-        thread.stop(server.stop(grace) if server is not None else None, grace + 5)
+    def _release(self) -> None:
+        """Remove our socket, never another server's."""
         with contextlib.suppress(OSError):
             info = self.path.lstat()
             # A successor started on the same run dir (a replacement pod while this one

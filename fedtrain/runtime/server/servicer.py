@@ -46,17 +46,12 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 
 from fedtrain.errors import ConfigError, FedtrainError, ProtocolError
-from fedtrain.runtime import status, tls, wire
+from fedtrain.runtime import tls, wire
 from fedtrain.runtime.config import ServerConfig
-from fedtrain.runtime.peer_auth import (
-    PeerCertificate,
-    PeerRefused,
-    PeerVerifier,
-    Purpose,
-    new_nonce,
-)
+from fedtrain.runtime.peer_auth import PeerCertificate, PeerVerifier
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
-from fedtrain.runtime.server.admission import AdmissionGate, Refusal
+from fedtrain.runtime.rpc import abort
+from fedtrain.runtime.server.admission import Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
@@ -64,6 +59,7 @@ from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.links import TransferMeter
+from fedtrain.runtime.server.peer_check import PeerCheck
 from fedtrain.runtime.server.resumable import (
     HeldUpload,
     HeldUploads,
@@ -75,6 +71,7 @@ from fedtrain.runtime.server.rounds import Outcome, RoundState, UploadRefused
 from fedtrain.runtime.server.secure_round import SecureRoundState
 from fedtrain.runtime.server.sessions import AtCapacity, Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
+from fedtrain.runtime.server.status_service import StatusService
 from fedtrain.runtime.server.transfer_slots import TransferSlots
 from fedtrain.runtime.server.transfer_watch import IDLE_CUT_STALLS, describe
 from fedtrain.runtime.server.uploads import MaskedUpload, MemoryBudget, UpdateSpool
@@ -85,7 +82,6 @@ from fedtrain.tensors import Chunk
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_NO_ANSWER = Refusal("no_answer", "the peer closed the stream before it said who it is")
 
 #: All sites' heartbeats together stay near this many messages per second: a larger
 #: federation is told a longer interval when it joins, and sites that joined when it
@@ -142,8 +138,12 @@ class FedtrainServicer:
         self.verifier = verifier
         self.secure = verifier is not None
         self.spool_dir = spool_dir
-        #: Streams whose peer has not answered its challenge yet.
-        self.gate = AdmissionGate()
+        #: Challenges and checks peers on this port's event loop, audits refusals.
+        self.peers = PeerCheck(verifier, audit)
+        #: Status on this port (the status port and the socket answer with their own).
+        self.status = StatusService(
+            lambda page: server_state(coordinator, registry, page), peers=self.peers
+        )
         self.cpu = cpu
         self.max_sites = max_sites
         self.journal_memory = MemoryBudget(config.upload_memory_mb << 20)
@@ -170,7 +170,7 @@ class FedtrainServicer:
     ) -> None:
         """A site's session: challenge, join, then messages both ways until it ends."""
         peer = context.peer()
-        first, nonce, refusal = await self._opening(
+        first, nonce, refusal = await self.peers.opening(
             context, lambda c: pb.ServerMessage(challenge=c)
         )
         if refusal is None and first.WhichOneof("kind") != "join":
@@ -196,7 +196,7 @@ class FedtrainServicer:
             if session is None:
                 other = self.registry.by_token(first.join.resume_token)
                 if other is not None and other.site != site:
-                    self._refuse_peer(
+                    self.peers.refuse(
                         "rejoin_refused",
                         peer,
                         Refusal(
@@ -365,7 +365,7 @@ class FedtrainServicer:
             )
         certificate = None
         if self.verifier is not None:
-            certificate = self._check_proof(join, "join", nonce)
+            certificate = self.peers.check_proof(join, "join", nonce)
             if isinstance(certificate, Refusal):
                 return certificate
             site = certificate.name
@@ -432,68 +432,8 @@ class FedtrainServicer:
         self, context: grpc.aio.ServicerContext, peer: str, refusal: Refusal
     ) -> None:
         """Audit (throttled) and log a refused join, and tell the site why."""
-        self._refuse_peer("join_refused", peer, refusal)
+        self.peers.refuse("join_refused", peer, refusal)
         await context.write(_reject(refusal.reason, refusal.retry_after_s))
-
-    async def _opening(
-        self, context: grpc.aio.ServicerContext, challenge: Callable[[pb.Challenge], Any]
-    ) -> tuple[Any, bytes, None] | tuple[None, bytes, Refusal]:
-        """Challenge the peer (with TLS) and read its first message, holding a slot of
-        the admission gate meanwhile: (first message, nonce, None) or (None, _, why not)."""
-        if self.verifier is None:
-            first = await _first(context)
-            return (first, b"", None) if first is not None else (None, b"", _NO_ANSWER)
-        with self.gate.pending(context.peer()) as slot:
-            if not slot.granted:
-                return None, b"", self._busy()
-            nonce = new_nonce()
-            await context.write(challenge(pb.Challenge(nonce=nonce)))
-            try:
-                first = await asyncio.wait_for(_first(context), self.gate.timeout_s)
-            except TimeoutError:
-                timeout = f"no answer to the server's challenge within {self.gate.timeout_s:g}s"
-                return None, nonce, Refusal("timeout", timeout)
-        if first is not None:
-            return first, nonce, None
-        return None, nonce, _NO_ANSWER
-
-    def _check_proof(
-        self, message: pb.Join | pb.StatusRequest, purpose: Purpose, nonce: bytes
-    ) -> PeerCertificate | Refusal:
-        """The certificate whose key answered this stream's challenge, or why not."""
-        assert self.verifier is not None
-        proof = message.proof if message.HasField("proof") else None
-        try:
-            return self.verifier.verify(proof, purpose=purpose, nonce=nonce)
-        except PeerRefused as exc:
-            return Refusal(exc.cause, str(exc), site=exc.site, details=exc.audit_fields())
-
-    def _busy(self) -> Refusal:
-        return Refusal(
-            "busy",
-            "the server is busy admitting other peers (at most "
-            f"{self.gate.max_pending} at a time, {self.gate.per_address} per address); the "
-            "site retries on its own (if this persists, someone may be flooding the server: "
-            "the operator sees it in audit.jsonl)",
-        )
-
-    def _refuse_peer(self, event: str, peer: str, refusal: Refusal) -> None:
-        """Audit (throttled) and log a refused peer; the caller tells the peer."""
-        if self.audit.refusal(
-            event,
-            peer=peer,
-            cause=refusal.cause,
-            site=refusal.site,
-            reason=refusal.reason,
-            **refusal.details,
-        ):
-            log.warning(
-                "refused %s (%s, %s): %s",
-                refusal.site or "a peer",
-                peer,
-                refusal.cause,
-                refusal.reason,
-            )
 
     async def _read(self, session: Session, context: grpc.aio.ServicerContext, owner: Any) -> None:
         """Consume a site's control messages (a task beside `owner`, the handler that
@@ -660,7 +600,7 @@ class FedtrainServicer:
             "request_refused", peer=peer, cause=cause, code=code.name, site=site, reason=message
         ):
             log.warning("refused: %s", message)
-        await _abort(context, code, message)
+        await abort(context, code, message)
 
     async def DownloadModel(
         self, request: pb.ModelRequest, context: grpc.aio.ServicerContext
@@ -682,7 +622,7 @@ class FedtrainServicer:
         model = await self._run(self.coordinator.model_for_download, session, request.version)
         if model is None:
             current = self.coordinator.global_model
-            await _abort(
+            await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {session.site!r} asked for model {request.version[:12]}, but the current "
@@ -714,7 +654,7 @@ class FedtrainServicer:
             round_state.tokens.get(session.site) == session.token
             and round_state.outcomes.get(session.site) is Outcome.DROPPED
         ):
-            await _abort(
+            await abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"site {session.site!r} was dropped from round {round_state.round} (its "
@@ -778,7 +718,7 @@ class FedtrainServicer:
         if not meter.total:  # the first of its streams: what the transfer moves
             meter.expect(manifest.total_bytes, 0 if request.end else request.offset)
         if request.offset > end:
-            await _abort(
+            await abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"site {session.site!r}: a download of bytes [{request.offset}, "
@@ -796,7 +736,7 @@ class FedtrainServicer:
                 # chunks before it are not sent. A single stream resumes at a
                 # chunk boundary; a range takes the chunks that start in it.
                 if not request.end and position > request.offset:
-                    await _abort(
+                    await abort(
                         context,
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"site {session.site!r}: a download from byte "
@@ -812,7 +752,7 @@ class FedtrainServicer:
                 # The round it was for is over and its model superseded: every
                 # further byte is spent on a model the site can no longer train for
                 # (a retried attempt trains from the same model: that one goes on).
-                await _abort(
+                await abort(
                     context,
                     grpc.StatusCode.DEADLINE_EXCEEDED,
                     f"site {session.site!r}: round {round_state.round} closed and its "
@@ -1412,49 +1352,11 @@ class FedtrainServicer:
         self.audit.record(
             "upload_rejected", site=session.site, round=server_round, code=code.name, reason=message
         )
-        await _abort(context, code, message)
-
-    # -- Status ------------------------------------------------------------------------------
-    async def Status(
-        self, request_iterator: AsyncIterator[pb.StatusRequest], context: grpc.aio.ServicerContext
-    ) -> None:
-        """The run's state, for any certificate the federation CA issued (an operator
-        need not be on the allow-list: it can ask, never join)."""
-        peer = context.peer()
-        first, nonce, refusal = await self._opening(
-            context, lambda c: pb.StatusMessage(challenge=c)
-        )
-        if refusal is None and self.verifier is not None:
-            checked = self._check_proof(first, "status", nonce)  # ~2 ms: no pool queue
-            refusal = checked if isinstance(checked, Refusal) else None
-        if refusal is not None:
-            self._refuse_peer("status_refused", peer, refusal)
-            await _abort(context, grpc.StatusCode.PERMISSION_DENIED, refusal.reason)
-        page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
-        # On the loop, not the pool: a snapshot takes no round lock (milliseconds even
-        # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
-        state = server_state(self.coordinator, self.registry, page)
-        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
-
-
-async def _first(context: grpc.aio.ServicerContext) -> Any:
-    """The first message of a request stream; None if the peer ended or cancelled it."""
-    try:
-        message = await context.read()
-    except grpc.RpcError:
-        return None
-    return None if message is grpc.aio.EOF else message
+        await abort(context, code, message)
 
 
 def _reject(reason: str, retry_after_s: float = 0.0) -> pb.ServerMessage:
     return pb.ServerMessage(reject=pb.Reject(reason=reason, retry_after_s=retry_after_s))
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str
-) -> NoReturn:
-    await context.abort(code, message)
-    raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
 
 async def _end_cut_stream(
@@ -1467,7 +1369,7 @@ async def _end_cut_stream(
     task = asyncio.current_task()
     while task is not None and task.uncancel():
         pass
-    await _abort(context, code, message)
+    await abort(context, code, message)
 
 
 def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
@@ -1488,10 +1390,6 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
             request_deserializer=wire.chunk_stream_deserializer(pb.UpdateChunk),
             response_serializer=pb.UploadReceipt.SerializeToString,
         ),
-        "Status": grpc.stream_stream_rpc_method_handler(
-            servicer.Status,
-            request_deserializer=pb.StatusRequest.FromString,
-            response_serializer=pb.StatusMessage.SerializeToString,
-        ),
+        "Status": servicer.status.method(),
     }
     return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
