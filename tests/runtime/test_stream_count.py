@@ -212,6 +212,20 @@ def test_a_descent_that_loses_goes_back_up_for_good() -> None:
     assert count.next_start() == (16, None)
 
 
+def test_a_descent_keeps_its_streams_unless_fewer_move_as_much() -> None:
+    """16 streams read 10% below 64: a step up would stay (within SLOWER), but a
+    descent comes back up to 64: on a lossy link too few streams cost most of its rate;
+    a descent cut short by the transfer's end starts the next transfer at 64 too."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20, 64, descend=True)
+    _transfer(count, clock, lambda k, _: LINE * (0.9 if k < 64 else 1.0), 100 << 20)
+    assert count.tried == [64, 16, 64] and count.current == 64 and count.settled
+    short = _auto(clock, 100 << 20, 64, descend=True)
+    _transfer(short, clock, lambda k, _: LINE, 24 << 20)  # over before 16 were judged
+    assert short.tried == [64, 16] and not short.settled
+    assert short.next_start() == (64, None)
+
+
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     """The streams just added move nothing for most of the warm-up (handshake, slow
     start): measured from the change on, four streams would look no better than one."""

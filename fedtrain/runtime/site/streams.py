@@ -39,12 +39,12 @@ their range and take no other; a count that stopped is probed again every REPROB
 starts the next transfer in the same direction at the count this one stayed at (an
 upload with no history at its download's), ranged from the start: a lossy link's streams
 are not probed for anew every round. One transfer in DESCEND_EVERY that starts above one
-stream first steps down (a quarter of the streams while they are at most SLOWER slower
-than more), so a link that got clean goes back to one stream, and the transfers after
-one that found one stream as fast as more are plain calls again (one that is slower than
-that one was is cut and probed at once). Transfers under PROBE_MIN_BYTES are one call.
-With many streams the server's download-rate estimate (`links.py`) reads high by what
-the streams' buffers hold.
+stream first steps down (a quarter of the streams while they move as much as more), so a
+link that got clean goes back to one stream, and the transfers after one that found one
+stream as fast as more are plain calls again (one that is slower than that one was is
+cut and probed at once). Transfers under PROBE_MIN_BYTES are one call. With many streams
+the server's download-rate estimate (`links.py`) reads high by what the streams' buffers
+hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -86,9 +86,11 @@ RANGES_PER_STREAM = 4
 #: manifest or its receipt (a round trip each), the other keeps the link busy.
 LANES = 2
 #: Upload chunks are at most this large with parallel streams (the server accepts any
-#: chunk up to its chunk_bytes), so that there are enough ranges to share out; the
-#: server cuts a ranged download's chunks as finely.
-PARALLEL_CHUNK_BYTES = wire.RANGE_CHUNK_BYTES
+#: chunk up to its chunk_bytes), so that there are enough ranges to share out. Not finer:
+#: each range is a call with its go-ahead and receipt, and at 64 KB a 40 MB upload over
+#: 64 streams at 1% loss moved at 6-9 MB/s instead of 11-13 (a ranged download's pieces
+#: are finer, wire.RANGE_CHUNK_BYTES: it asks once per range and pays no go-ahead).
+PARALLEL_CHUNK_BYTES = 256 * 1024
 #: The automatic choice probes more streams only for transfers at least this large: a
 #: smaller one is over before a probe could tell (and costs a connection for nothing).
 PROBE_MIN_BYTES = 4 << 20
@@ -139,11 +141,10 @@ GAIN = 0.25
 #: noise: a lossy link's flows swing, chunks arrive whole). Once more streams than one
 #: paid (the link is flow-limited), a step that gained less than GAIN is still kept
 #: unless it is this much slower: measured within a transfer, 64 streams at 1% loss
-#: read as fast as 16 about as often as faster, while over whole rounds they move 65%
-#: of a 100 Mbit/s link against 16's 39% (RESULTS, "The automatic count keeps the
-#: streams that do not lose"). A descent sheds streams while fewer are at most this
-#: much slower.
-SLOWER = 0.2
+#: read as fast as 16 about as often as faster (and up to ~25% slower), while over whole
+#: rounds they move 65% of a 100 Mbit/s link against 16's 39% (RESULTS, "The automatic
+#: count keeps the streams that do not lose").
+SLOWER = 0.3
 
 
 class UpdateChunks:
@@ -207,8 +208,8 @@ class StreamCount:
     best so far; it stays where it is if the best is above one stream and the rate is at
     most SLOWER below it; else the count goes back to that best one (the streams added
     last finish the range they hold and take no other). Either way it stays for
-    REPROBE_S. A descent goes on while fewer streams are at most SLOWER slower than the
-    best, and comes back up to it when they are. `limit` caps it. The bytes are those
+    REPROBE_S. A descent goes on while fewer streams move at least as much as the
+    best, and comes back up to it when they do not. `limit` caps it. The bytes are those
     the streams moved: a download's read off its connections, an upload's taken by gRPC
     (HTTP/2 flow control takes a chunk only as the server reads the earlier ones, so
     past the warm-up it is the rate the server receives)."""
@@ -383,9 +384,12 @@ class StreamCount:
         self.changed.notify_all()
 
     def _step_down(self, rate: float, best_count: int, best_rate: float) -> None:
-        """A descent's decision: fewer streams while they are at most SLOWER slower than the best
-        (the more were not needed); back up to the best, for good, when they do not."""
-        if self.current == best_count or rate >= best_rate * (1 - SLOWER):
+        """A descent's decision: fewer streams while they move at least as much as the best
+        (the more were not needed); back up to the best, for good, when they do not. Not
+        within SLOWER, as a step up is kept: too many streams cost connections, too few
+        on a lossy link most of its rate (16 for 64: 39% of line rate for 65%), and a
+        window reads 16 within SLOWER of 64 about as often as not."""
+        if self.current == best_count or rate >= best_rate:
             self._best = (self.current, rate)
             if self.current > 1:
                 self.current = max(1, self.current // GROWTH)
@@ -412,8 +416,9 @@ class StreamCount:
                 return 1, rate
             return 1, None
         if not self.settled and rate > 0:
-            # mid-probe: a step past more streams that paid is kept unless slower
-            return (self.current if count > 1 else count), None
+            # mid-probe: a step up past more streams that paid is kept unless slower;
+            # one down (a descent) only if it moves as much
+            return (self.current if count > 1 and not self._descend else count), None
         if self.settled and self._held_back and rate > 0:
             return self.current, rate
         return self.current, None
