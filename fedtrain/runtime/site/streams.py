@@ -32,19 +32,19 @@ that upload. From then on `StreamCount` multiplies the count by GROWTH (4) while
 streams raise the rate the transfer moves its bytes at by more than GAIN, measured after
 a warm-up (a new connection's handshake and slow start are not "no gain") over about a
 chunk per stream, and never in the transfer's last ranges. A step that gains less stays
-if more streams than one already paid and it is not SLOWER (a window cannot tell 64
-streams from 16 on a lossy link, whole rounds can); else the streams it added finish
-their range and take no other; a count that stopped is probed again every REPROBE_S
-(what limited it, e.g. a server busy with other sites, may have gone). `StreamMemory`
-starts the next transfer in the same direction at the count this one stayed at (an
-upload with no history at its download's), ranged from the start: a lossy link's streams
-are not probed for anew every round. One transfer in DESCEND_EVERY that starts above one
-stream first steps down (a quarter of the streams while they move as much as more), so a
-link that got clean goes back to one stream, and the transfers after one that found one
-stream as fast as more are plain calls again (one that is slower than that one was is
-cut and probed at once). Transfers under PROBE_MIN_BYTES are one call. With many streams
-the server's download-rate estimate (`links.py`) reads high by what the streams' buffers
-hold.
+if more streams were measured to pay on this link (`paid`) and it is not SLOWER (a
+window cannot tell 64 streams from 16 on a lossy link, whole rounds can); else the
+streams it added finish their range and take no other; a count that stopped is probed
+again every REPROBE_S (what limited it, e.g. a server busy with other sites, may have
+gone). `StreamMemory` starts the next transfer in the same direction at the count this
+one stayed at (an upload with no history at its download's), ranged from the start: a
+lossy link's streams are not probed for anew every round. One transfer in DESCEND_EVERY
+that starts above one stream first steps down (a quarter of the streams while they move
+as much as more), so a link that got clean goes back to one stream, and the transfers
+after one that found one stream as fast as more are plain calls again (one that is
+slower than that one was is cut and probed at once). Transfers under PROBE_MIN_BYTES are
+one call. With many streams the server's download-rate estimate (`links.py`) reads high
+by what the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -128,6 +128,13 @@ SWITCH_S = 5.0
 #: chunks at its rate's upper bound) switches unmeasured: a lossy link's single flow
 #: moves a 4 MiB chunk in seconds, and it is not worth waiting for.
 MEASURE_LIMIT_S = 2.0
+#: A plain call whose chunks stopped coming for longer than this, and STALL_WAITS times
+#: its longest wait for one so far, is stalled (its link is down), not slow: it is not
+#: cut for more streams, it resumes when the link is back (a 10 s outage mid-download
+#: cost 18 s, not 12, when its call was cut into ranges whose connections were dialled
+#: during it). A lossy link's call is cut before its first chunk, or moves steadily.
+STALL_S = 1.0
+STALL_WAITS = 3.0
 #: A count that stopped growing is probed again after this long: what limited it may
 #: have gone (other sites' transfers that loaded the server ended).
 REPROBE_S = 5.0
@@ -138,12 +145,12 @@ REPROBE_S = 5.0
 #: step (from one call) is taken back when it gains less: a clean link keeps one flow.
 GAIN = 0.25
 #: Two counts whose rates differ by less than this share move about as much (a window's
-#: noise: a lossy link's flows swing, chunks arrive whole). Once more streams than one
-#: paid (the link is flow-limited), a step that gained less than GAIN is still kept
-#: unless it is this much slower: measured within a transfer, 64 streams at 1% loss
-#: read as fast as 16 about as often as faster (and up to ~25% slower), while over whole
-#: rounds they move 65% of a 100 Mbit/s link against 16's 39% (RESULTS, "The automatic
-#: count keeps the streams that do not lose").
+#: noise: a lossy link's flows swing, chunks arrive whole). Once more streams were
+#: measured to pay (`StreamCount.paid`: the link is flow-limited), a step that gained
+#: less than GAIN is still kept unless it is this much slower: measured within a
+#: transfer, 64 streams at 1% loss read as fast as 16 about as often as faster (and up
+#: to ~25% slower), while over whole rounds they move 65% of a 100 Mbit/s link against
+#: 16's 39% (RESULTS, "The automatic count keeps the streams that do not lose").
 SLOWER = 0.3
 
 
@@ -205,12 +212,12 @@ class StreamCount:
     once the last range is handed out: `ending`). The first measurement grows the count
     GROWTH times (with `descend`: shrinks it GROWTH times, to find out whether the link
     got better); a later one grows it again if the rate rose by more than GAIN over the
-    best so far; it stays where it is if the best is above one stream and the rate is at
+    best so far; it stays where it is if more streams paid (`paid`) and the rate is at
     most SLOWER below it; else the count goes back to that best one (the streams added
     last finish the range they hold and take no other). Either way it stays for
-    REPROBE_S. A descent goes on while fewer streams move at least as much as the
-    best, and comes back up to it when they do not. `limit` caps it. The bytes are those
-    the streams moved: a download's read off its connections, an upload's taken by gRPC
+    REPROBE_S. A descent goes on while fewer streams move at least as much as the best,
+    and comes back up to it when they do not. `limit` caps it. The bytes are those the
+    streams moved: a download's read off its connections, an upload's taken by gRPC
     (HTTP/2 flow control takes a chunk only as the server reads the earlier ones, so
     past the warm-up it is the rate the server receives)."""
 
@@ -223,9 +230,15 @@ class StreamCount:
         known: float | None = None,
         total: int = 0,
         descend: bool = False,
+        paid: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limit = max(1, limit)
+        #: More streams than one were measured to raise the rate on this link (a step's
+        #: gain over a measured rate, here or in a transfer before): it is flow-limited,
+        #: and a step up stays unless SLOWER. Not for a plain call cut unmeasured (a
+        #: stall or a slow first chunk is no evidence that more streams pay).
+        self.paid = paid
         self.adaptive = adaptive
         self.current = max(1, min(start, self.limit))
         #: The transfer's bytes (what `poll` judges the rest by).
@@ -259,6 +272,10 @@ class StreamCount:
         self._first: tuple[float, int] | None = None
         self._last: tuple[float, int] | None = None
         self._arrived = 0
+        #: When the plain call's last chunk arrived, and the longest wait for one so far
+        #: (from the start for the first): a silence far longer is a stall, not a rate.
+        self._arrival: float | None = None
+        self._longest_wait = 0.0
         #: Every range is handed out: the streams run out of work one by one, and what
         #: they move then says nothing about their count.
         self._ending = False
@@ -278,6 +295,9 @@ class StreamCount:
             self._moved += nbytes
             now = self._clock()
             if self.alone:  # measured from the first chunk past the warm-up
+                since = self._changed_at if self._arrival is None else self._arrival
+                self._longest_wait = max(self._longest_wait, now - since)
+                self._arrival = now
                 if self._first is None and now - self._changed_at >= WARMUP_S:
                     self._first = (now, self._moved)
                 if self._first is not None:
@@ -330,6 +350,13 @@ class StreamCount:
             now = self._clock()
             if now - self._changed_at < DECIDE_S:
                 return False
+            if self._arrival is not None and now - self._arrival > max(
+                STALL_S, STALL_WAITS * self._longest_wait
+            ):
+                # Chunks came, then none for far longer than any wait so far: the link
+                # is down (an outage), not slow. New connections dialled now would
+                # back off through it and come up seconds after the call resumes.
+                return False
             first, last = self._first, self._last
             if first is None or last is None:
                 since, moved, measured = self._changed_at, self._moved, False
@@ -367,13 +394,15 @@ class StreamCount:
             if self.current == before:
                 return
         elif self.current != best_count and rate <= best_rate * (1 + GAIN):
-            if best_count > 1 and rate >= best_rate * (1 - SLOWER):
+            if self.paid and rate >= best_rate * (1 - SLOWER):
                 # the link is flow-limited and these are not slower: they stay
                 self._best, self.settled, self._held_back = (self.current, rate), True, False
                 return
             # the streams added last did not pay: back to the best count, for good
             self.current, self.settled, self._held_back = best_count, True, True
         else:
+            if self.current != best_count and best_rate > 0:
+                self.paid = True  # a measured gain
             self._best, self._held_back = (self.current, rate), False
             if self.current >= self.limit:
                 self.settled = True
@@ -418,7 +447,7 @@ class StreamCount:
         if not self.settled and rate > 0:
             # mid-probe: a step up past more streams that paid is kept unless slower;
             # one down (a descent) only if it moves as much
-            return (self.current if count > 1 and not self._descend else count), None
+            return (self.current if self.paid and not self._descend else count), None
         if self.settled and self._held_back and rate > 0:
             return self.current, rate
         return self.current, None
@@ -445,6 +474,9 @@ class StreamMemory:
     def __init__(self) -> None:
         self._last: dict[str, tuple[int, float | None]] = {}
         self._above: dict[str, int] = {}  # transfers started above one stream, per direction
+        #: Whether more streams paid on this link (`StreamCount.paid`) in the last transfer
+        #: that ended above one stream, in either direction (they share the link's loss).
+        self._paid = False
 
     def start(self, direction: str) -> tuple[int, float | None]:
         if direction in self._last:
@@ -459,7 +491,7 @@ class StreamMemory:
         descend = (
             start[0] > 1 and self._above.get(direction, 0) % DESCEND_EVERY == DESCEND_EVERY - 1
         )
-        return stream_plan(configured, nbytes, start, descend)
+        return stream_plan(configured, nbytes, start, descend, self._paid)
 
     def ended(self, direction: str, count: StreamCount) -> None:
         """Remember where an automatic transfer stayed."""
@@ -468,6 +500,7 @@ class StreamMemory:
         if count.tried[0] > 1:
             self._above[direction] = self._above.get(direction, 0) + 1
         self._last[direction] = count.next_start()
+        self._paid = count.paid and self._last[direction][0] > 1
 
 
 #: How often a plain call's rate is judged (`CallSwitch`).
@@ -529,6 +562,7 @@ def stream_plan(
     nbytes: int,
     start: tuple[int, float | None] = (1, None),
     descend: bool = False,
+    paid: bool = False,
 ) -> StreamCount:
     """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice,
     which starts at `start` (the previous transfer's `next_start`; one, for a transfer
@@ -538,7 +572,12 @@ def stream_plan(
     if configured > 0:
         return StreamCount.fixed(configured)
     return StreamCount(
-        start[0], wire.MAX_TRANSFER_STREAMS, known=start[1], total=nbytes, descend=descend
+        start[0],
+        wire.MAX_TRANSFER_STREAMS,
+        known=start[1],
+        total=nbytes,
+        descend=descend,
+        paid=paid,
     )
 
 
