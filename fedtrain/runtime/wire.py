@@ -132,6 +132,10 @@ def server_options(
     queued = queued_call_limit(max_sites)
     return [
         *channel_options(max_message_bytes),
+        # A second server started on the same address fails to bind, instead of sharing
+        # the port through gRPC's default SO_REUSEPORT (the kernel would then hand each
+        # new site connection to either process: sites split between two runs).
+        ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", ms),
         ("grpc.keepalive_timeout_ms", ms),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -150,6 +154,10 @@ def site_channel_options(max_message_bytes: int) -> list[tuple[str, Any]]:
     ms = int(SITE_KEEPALIVE_S * 1000)
     return [
         *channel_options(max_message_bytes),
+        # A second server started on the same address fails to bind, instead of sharing
+        # the port through gRPC's default SO_REUSEPORT (the kernel would then hand each
+        # new site connection to either process: sites split between two runs).
+        ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", ms),
         ("grpc.keepalive_timeout_ms", ms),
         ("grpc.keepalive_permit_without_calls", 1),

@@ -244,6 +244,20 @@ def test_a_status_port_in_use_stops_the_server_from_starting(tmp_path: Path) -> 
     assert not [t.name for t in left if t.is_alive() and t.name.startswith("fedtrain-")]
 
 
+def test_a_second_server_on_a_running_servers_port_refuses_to_start(
+    tmp_path: Path, stop_after: list[Any]
+) -> None:
+    """gRPC's default SO_REUSEPORT let a second server bind the same address; the kernel
+    then handed each new site connection to either process (sites split between runs)."""
+    first = inprocess_server(tmp_path / "first", TinyTask())
+    stop_after.append(first)
+    address = f"127.0.0.1:{first.port}"
+    with pytest.raises(ConfigError, match="is the port free") as info:
+        inprocess_server(tmp_path / "second", TinyTask(), address=address)
+    assert f"address = {address!r}" in str(info.value)
+    assert fetch_status(address, None, timeout_s=10).phase  # the first one still serves
+
+
 @pytest.mark.timeout(180)
 def test_fedtrain_status_server_asks_a_server_process_on_its_status_port(tmp_path: Path) -> None:
     port = free_port()
