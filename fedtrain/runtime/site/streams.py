@@ -429,9 +429,9 @@ class StreamCount:
 
     def next_start(self) -> tuple[int, float | None]:
         """Where the next transfer in this direction starts (its `start`, `known`): at the
-        count this one stayed at (if it ended mid-probe: the step it was in when more
-        streams than one had paid, as that step stays unless slower; else the best
-        measured count), so that
+        count this one stayed at (if it ended mid-probe: the step it was in where more
+        streams were measured to pay, `paid`, as that step stays unless slower; else the
+        best measured count), so that
         a lossy link's many streams are not probed for anew, with its rate where more
         streams were tried and did not pay (the next does not try them again before
         REPROBE_S); at one stream, a plain call, where one moved as fast as more (then
