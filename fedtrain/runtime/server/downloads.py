@@ -14,6 +14,8 @@ they are let go when the next global model is first downloaded.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import threading
 from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from typing import Any, TypeVar
@@ -119,7 +121,7 @@ class SharedDownloads:
     def _pieces(self, parts: ModelState, size: int) -> Pieces:
         if parts.nbytes > SHARED_DOWNLOAD_BYTES:
             return _Chunked(parts, size)
-        return [(wire.encode_chunk_message(c), len(c.data)) for c in parts.chunks(size)]
+        return _Encoded([(wire.encode_chunk_message(c), len(c.data)) for c in parts.chunks(size)])
 
     def _advance(self, model: GlobalModel) -> tuple[Download | None, Download]:
         """Move the reference track to `model`: (the change from the previous reference,
@@ -139,6 +141,33 @@ class SharedDownloads:
         manifest.base_version = download.base
         manifest.digest = download.digest
         return manifest
+
+
+class _Encoded:
+    """A shared encoding's chunks as wire bytes, with the byte each starts at: a range
+    (or a resume) starts at its first chunk without walking those before it (a ranged
+    download is ~600 pieces of 64 KiB and hundreds of range requests)."""
+
+    def __init__(self, pieces: list[tuple[bytes, int]]) -> None:
+        self.pieces = pieces
+        self.starts = list(itertools.accumulate((size for _, size in pieces), initial=0))
+
+    def __iter__(self) -> Iterator[tuple[bytes, int]]:
+        return iter(self.pieces)
+
+
+def from_offset(pieces: Pieces, offset: int) -> tuple[int, Iterator[tuple[bytes | Chunk, int]]]:
+    """The pieces that start at or after byte `offset`, and the byte the first of them
+    starts at (the total when none does)."""
+    if isinstance(pieces, _Encoded):
+        first = bisect.bisect_left(pieces.starts, offset)
+        return pieces.starts[first], iter(pieces.pieces[first:])
+    walk, position = iter(pieces), 0  # made per download (views): nothing to index
+    for piece, size in walk:
+        if position >= offset:
+            return position, itertools.chain([(piece, size)], walk)
+        position += size
+    return position, iter(())
 
 
 class _Chunked:

@@ -55,7 +55,7 @@ from fedtrain.runtime.server.admission import Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
-from fedtrain.runtime.server.downloads import SharedDownloads
+from fedtrain.runtime.server.downloads import SharedDownloads, from_offset
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.links import TransferMeter
@@ -726,24 +726,22 @@ class FedtrainServicer:
                 f"{manifest.total_bytes} bytes",
             )
         await context.write(pb.ModelPiece(manifest=manifest))
-        position = 0  # where the next piece starts, in the download's bytes
-        for piece, size in pieces:
+        # A resumed download (or a range that starts further on) skips the chunks
+        # before its offset. A single stream resumes at a chunk boundary; a range takes
+        # the chunks that start in it.
+        position, remaining = from_offset(pieces, request.offset)
+        if not request.end and position != request.offset:
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"site {session.site!r}: a download from byte "
+                f"{request.offset}, which is not a chunk boundary of this "
+                "download; download the model again",
+            )
+        for piece, size in remaining:
             start, position = position, position + size
             if start >= end:
                 break  # a parallel stream's range ends here
-            if start < request.offset:
-                # A resumed download (or a range that starts further on): the
-                # chunks before it are not sent. A single stream resumes at a
-                # chunk boundary; a range takes the chunks that start in it.
-                if not request.end and position > request.offset:
-                    await abort(
-                        context,
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"site {session.site!r}: a download from byte "
-                        f"{request.offset}, which is not a chunk boundary of this "
-                        "download; download the model again",
-                    )
-                continue
             if (
                 round_state is not None
                 and round_state.closed
