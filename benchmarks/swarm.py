@@ -15,7 +15,8 @@ CPU per round and per site per round, its threads (idle and peak), peak RSS, its
 while all sites but one are connected and no round runs (idle), and how long
 `Status` takes to answer during rounds: on the sites' port (the main event loop), on
 the run dir's socket and on the status port (`status_address`; both on threads of
-their own).
+their own), asked by an operator's process in a session of its own
+(`status_probe.py`). Threads, RSS and CPU are the server's process tree's.
 
     python -m benchmarks.swarm --sites 100,1000 --rounds 10 --fraction-fit 0.1
     python -m benchmarks.swarm --sites 3000 --server-option max_sites=2000
@@ -51,13 +52,15 @@ import numpy as np
 import psutil
 import torch
 
+from benchmarks.procstats import tree_processes, tree_rss
+from benchmarks.status_probe import status_seconds
 from fedtrain.runtime import wire
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.server.local_status import socket_address
-from fedtrain.runtime.status import ServerUnreachable, fetch_status
+from fedtrain.runtime.status import ServerUnreachable
 from fedtrain.tensors import ModelState
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -404,6 +407,8 @@ def run_swarm(
          str(workdir / "server.toml")],
         stdout=log, stderr=log, env=env, start_new_session=True,
     )  # fmt: skip
+    probe: subprocess.Popen[bytes] | None = None
+    probe_out: Any = None
     ctx = mp.get_context("spawn")
     pipes: list[Connection] = []
     workers = []
@@ -433,48 +438,50 @@ def run_swarm(
         # Idle means steady: the joins' tail and the watchdog's re-pacing of early
         # sites' heartbeats (every heartbeat.interval_s) are over before the window.
         time.sleep(SETTLE_S)
-        result.threads_idle = proc.num_threads()
-        result.rss_idle_mb = proc.memory_info().rss / 2**20
-        cpu0 = sum(proc.cpu_times()[:2])
+        servers = tree_processes(proc)
+        result.threads_idle = _threads(servers)
+        result.rss_idle_mb = tree_rss(proc.pid) / 2**20
+        cpu0 = _cpu(servers)
         time.sleep(idle_s)
-        result.idle_cpu_pct = 100 * (sum(proc.cpu_times()[:2]) - cpu0) / idle_s
+        result.idle_cpu_pct = 100 * (_cpu(servers) - cpu0) / idle_s
         pipes[-1].send(("join", len(shares[-1])))
         pipes[-1].recv()
         swarm = [psutil.Process(w.pid) for w in workers]
-        cpu_start = cpu_last = sum(proc.cpu_times()[:2])
+        cpu_start = cpu_last = _cpu(servers)
         swarm_start = swarm_last = _cpu(swarm)
-        socket = socket_address(run_dir)
-        status_times: list[float] = []
-        local_times: list[float] = []
-        port_times: list[float] = []
-        asked = ((status_times, address), (local_times, socket), (port_times, status_port))
+        # Status is timed by an operator's process in a session of its own (status_probe.py)
+        asked = {"port": address, "socket": socket_address(run_dir), "status": status_port}
+        probe_out = (workdir / "status.jsonl").open("wb")
+        probe = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.status_probe",
+             *(f"{where}={at}" for where, at in asked.items())],
+            stdout=probe_out, env=env, start_new_session=True,
+        )  # fmt: skip
         peak_rss = 0
-        last_status = 0.0
         last_progress = time.monotonic()
         while server.poll() is None and time.monotonic() < deadline:
             with contextlib.suppress(psutil.Error):
-                result.threads_peak = max(result.threads_peak, proc.num_threads())
-                peak_rss = max(peak_rss, proc.memory_info().rss)
+                result.threads_peak = max(result.threads_peak, _threads(servers))
+                peak_rss = max(peak_rss, tree_rss(proc.pid))
                 if len(_read_jsonl(run_dir / "metrics.jsonl")) < rounds:  # not the run's end
-                    cpu_last, swarm_last = sum(proc.cpu_times()[:2]), _cpu(swarm)
+                    cpu_last, swarm_last = _cpu(servers), _cpu(swarm)
             if time.monotonic() - last_progress > 30.0:  # where the sites are, on stderr
                 last_progress = time.monotonic()
                 print(f"  {sites} sites: {_steps(pipes)}", file=sys.stderr, flush=True)
-            if time.monotonic() - last_status > 1.0:
-                last_status = time.monotonic()
-                with contextlib.suppress(ServerUnreachable):  # the run may have just ended
-                    for times, where in asked:
-                        seconds, phase = _status_seconds(where)
-                        result.status_calls += 1
-                        if phase in ROUND_PHASES:
-                            times.append(seconds)
             time.sleep(0.25)
         if server.poll() is None:
             result.note = f"timed out after {timeout_s:.0f}s; sites {_steps(pipes)}"
+        _stop_probe(probe, probe_out)
         result.rss_peak_mb = peak_rss / 2**20
-        result.status_max_s = max(status_times) if status_times else None
-        result.local_status_max_s = max(local_times) if local_times else None
-        result.status_port_max_s = max(port_times) if port_times else None
+        calls = _read_jsonl(workdir / "status.jsonl")
+        result.status_calls = len(calls)
+        # only calls answered during a round count: the issue's bound is "during a
+        # round"; the run's end, when every site leaves at once, is not one
+        in_round = [c for c in calls if c["phase"] in ROUND_PHASES]
+        result.status_max_s, result.local_status_max_s, result.status_port_max_s = (
+            max((c["seconds"] for c in in_round if c["where"] == where), default=None)
+            for where in asked
+        )
         metrics = _read_jsonl(run_dir / "metrics.jsonl")
         result.rounds_done = len(metrics)
         result.round_seconds = [float(m["seconds"]) for m in metrics]
@@ -485,6 +492,8 @@ def run_swarm(
             result.server_cpu_per_round_s = (cpu_last - cpu_start) / len(metrics)
             result.swarm_cpu_per_round_s = (swarm_last - swarm_start) / len(metrics)
     finally:
+        if probe is not None:
+            _stop_probe(probe, probe_out)
         stats = _stop(pipes, workers)
         _stop_server(server)
         log.close()
@@ -508,19 +517,17 @@ def _wait_ready(
         if server.poll() is not None:
             raise RuntimeError(f"the server exited with {server.returncode}")
         with contextlib.suppress(ServerUnreachable):
-            _status_seconds(address)
+            status_seconds(address)
             break
         time.sleep(0.2)
     return task_fingerprint(load_task(TASK, {"num_params": params}))
 
 
-def _status_seconds(address: str) -> tuple[float, str]:
-    """How long Status took, and the phase it answered (only those asked during a round
-    count: the issue's bound is "during a round"; the run's end, when every site leaves
-    at once, is not one)."""
-    start = time.perf_counter()
-    state = fetch_status(address, None, timeout_s=60)
-    return time.perf_counter() - start, state.phase
+def _stop_probe(probe: subprocess.Popen[bytes], out: Any) -> None:
+    if probe.poll() is None:
+        probe.terminate()
+        probe.wait(30)
+    out.close()
 
 
 def _joined(pipes: Iterable[Connection]) -> int:
@@ -574,6 +581,10 @@ def _stop_server(server: subprocess.Popen[bytes]) -> None:
 
 def _cpu(processes: Sequence[psutil.Process]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+def _threads(processes: Sequence[psutil.Process]) -> int:
+    return sum(p.num_threads() for p in processes)
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
