@@ -100,6 +100,7 @@ def test_a_site_must_name_its_flower_partition() -> None:
     assert client is task.client(1)  # built once
 
 
+@pytest.mark.slow  # long scenario (17 s): the example's own files; -m slow
 def test_the_example_client_app_deployment_runs_from_its_config_files(tmp_path) -> None:
     """examples/flower-digits' server.toml and site-*.toml (the app unchanged, each site one
     Flower partition, lr halved every 2 rounds), on a free port: the final model keeps

@@ -45,6 +45,7 @@ def stop_together(deployments: Iterable[Deployment], timeout_s: float = 30.0) ->
             proc.wait(timeout_s)
 
 
+@pytest.mark.slow  # long scenario (22 s): two federations side by side; -m slow
 def test_two_process_site_converges_like_single_process_sites(tmp_path: Path) -> None:
     """The same federation twice, side by side: sites a and b in one process each, and
     site a on a 2-rank group. DDP takes twice the batch per step, so the models differ,
