@@ -19,12 +19,14 @@ from fedtrain.runtime.site.streams import (
     GROWTH,
     LANES,
     MEASURE_S,
+    PARALLEL_CHUNK_BYTES,
     RANGE_S,
     REPROBE_S,
     WARMUP_S,
     RangeCutter,
     StreamCount,
     StreamMemory,
+    descent_room,
     run_ranges,
 )
 
@@ -81,7 +83,7 @@ def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower(
     assert count.next_start() == (64, None)
     slower = _auto(clock, 100 << 20)
     _transfer(slower, clock, _overflowing, 100 << 20)
-    assert slower.tried[:5] == [1, 4, 16, 64, 16] and slower.current == 16
+    assert slower.tried[:5] == [1, 4, 16, 64, 16]
     assert set(slower.tried[5:]) <= {16, 64}  # probed again now and then: still slower
     start, known = slower.next_start()
     assert start == 16 and known is not None
@@ -93,13 +95,50 @@ def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower(
     assert full.tried == [1, 4, 16, 64] and full.settled
 
 
+def test_one_slow_window_right_after_a_step_does_not_take_back_streams_that_paid() -> None:
+    """On a real 1% loss link the first window after 48 new streams started read 64 at
+    half of 16's rate, and the count went back to 16 (for that transfer and the next
+    two); 64 then move as much as 16 here (a real link: more). A second window decides:
+    the streams stay. Where they stay slower, the second window takes them back."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20)
+
+    def late(k: int, since: float) -> float:
+        if k < 64:
+            return min(k * FLOW, 16 * FLOW)
+        return 16 * FLOW * (0.5 if since < 5.5 else 1.0)  # slow for its first window
+
+    _transfer(count, clock, late, 100 << 20)
+    assert count.tried == [1, 4, 16, 64] and count.settled and count.current == 64
+    assert count.next_start() == (64, None)
+    slower = _auto(clock, 100 << 20)
+    _transfer(slower, clock, _overflowing, 60 << 20)  # 64 stay at half of 16
+    assert slower.tried[:5] == [1, 4, 16, 64, 16]
+
+
+def test_a_descent_keeps_fewer_streams_only_if_a_second_window_agrees() -> None:
+    """Right after a descent the streams left read as fast as all of them (their chunks
+    in flight land together), then move less: the second window takes the count back
+    up for good instead of stepping further down."""
+    clock = Clock()
+    count = _auto(clock, 100 << 20, 64, descend=True)
+
+    def fewer_look_fast(k: int, since: float) -> float:
+        if k == 64:
+            return LINE * 0.6
+        return LINE * (0.65 if since < 1.3 else 0.35)
+
+    _transfer(count, clock, fewer_look_fast, 100 << 20)
+    assert count.tried == [64, 16, 64] and count.current == 64 and count.settled
+
+
 def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -> None:
     """More streams lost rate while the server was busy with other sites (four flows'
     worth for it, two when more came); once their transfers end, the next probe finds
     the gain."""
     clock = Clock()
-    count = _auto(clock, 48 << 20)
-    _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 8 << 20)
+    count = _auto(clock, 56 << 20)
+    _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 16 << 20)
     assert count.tried == [1, 4, 16, 4] and count.settled
     _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)  # the others are done
     assert count.tried[4:] == [16, 64] and count.current == 64
@@ -224,7 +263,7 @@ def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_
     first._clock = clock  # (the fake clock from here on)
     first._changed_at = 0.0
     _transfer(first, clock, _overflowing, 100 << 20)
-    assert first.current == 16
+    assert first.tried[:5] == [1, 4, 16, 64, 16]  # (then 64 re-probed now and then)
     memory.ended("down", first)
     upload = memory.plan(0, 100 << 20, "up")  # no upload yet: where the download stayed
     assert upload.current == 16 and upload.parallel
@@ -252,6 +291,26 @@ def test_a_link_that_got_clean_sheds_its_streams_and_its_transfers_become_plain_
     assert shedding.tried[:3] == [16, 4, 1] and shedding.current == 1
     memory.ended("up", shedding)
     assert memory.plan(0, 100 << 20, "up").alone
+
+
+def test_only_a_transfer_with_room_to_judge_a_descent_starts_one() -> None:
+    """At 64 streams a 40 MB upload (256 KiB chunks: 16 MB for a window at 64) cannot
+    judge a descent, and stays at 64; a 40 MB download (64 KiB range chunks) can, and
+    sheds streams on a link one flow fills."""
+    clock = Clock()
+    memory = StreamMemory()
+    for direction in ("up", "down"):
+        memory._last[direction] = (64, None)
+        memory._above[direction] = DESCEND_EVERY - 1  # the next one would descend
+    upload = memory.plan(0, 40 << 20, "up")
+    upload._clock, upload._changed_at = clock, clock.now
+    _transfer(upload, clock, lambda k, _: LINE, 40 << 20)
+    assert upload.tried == [64]
+    assert descent_room(64, PARALLEL_CHUNK_BYTES) > 40 << 20
+    download = memory.plan(0, 40 << 20, "down")
+    download._clock, download._changed_at = clock, clock.now
+    _transfer(download, clock, lambda k, _: LINE, 40 << 20)
+    assert download.tried[:2] == [64, 16]
 
 
 def test_a_descent_that_loses_goes_back_up_for_good() -> None:

@@ -33,7 +33,8 @@ streams raise the rate the transfer moves its bytes at by more than GAIN, measur
 a warm-up (a new connection's handshake and slow start are not "no gain") over about a
 chunk per stream, and never in the transfer's last ranges. A step that gains less stays
 if more streams were measured to pay on this link (`paid`) and it is not SLOWER (a
-window cannot tell 64 streams from 16 on a lossy link, whole rounds can); else the
+window cannot tell 64 streams from 16 on a lossy link, whole rounds can), and one that
+reads SLOWER there is measured over a second window before it is taken back; else the
 streams it added finish their range and take no other; a count that stopped is probed
 again every REPROBE_S (what limited it, e.g. a server busy with other sites, may have
 gone). `StreamMemory` starts the next transfer in the same direction at the count this
@@ -42,9 +43,11 @@ lossy link's streams are not probed for anew every round. One transfer in DESCEN
 that starts above one stream first steps down (a quarter of the streams while they move
 as much as more), so a link that got clean goes back to one stream, and the transfers
 after one that found one stream as fast as more are plain calls again (one that is
-slower than that one was is cut and probed at once). Transfers under PROBE_MIN_BYTES are
-one call. With many streams the server's download-rate estimate (`links.py`) reads high
-by what the streams' buffers hold.
+slower than that one was is cut and probed at once). A descent keeps fewer streams only
+if two windows say they move as much, and only a transfer with room for those windows
+descends (`descent_room`: a 40 MB upload over 64 streams has none). Transfers under
+PROBE_MIN_BYTES are one call. With many streams the server's download-rate estimate
+(`links.py`) reads high by what the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
 moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
@@ -261,6 +264,11 @@ class StreamCount:
         self._descend = descend and self.current > 1
         #: Whether the count went back to the best one after a step that did not pay.
         self._held_back = False
+        #: Whether the current count is being measured a second time before a decision
+        #: that would cost a flow-limited link most of its rate (`_second_look`).
+        self._looking_again = False
+        #: Counts taken back in this transfer (a re-probe takes them back at once).
+        self._taken_back: set[int] = set()
         if known is not None and self.current > 1 and not self._descend:
             # the previous transfer took back the step above `start`: no probe at once
             self.settled, self._best, self._held_back = True, (self.current, known), True
@@ -390,7 +398,7 @@ class StreamCount:
         best_count, best_rate = self._best
         if self._descend:
             before = self.current
-            self._step_down(rate, best_count, best_rate)
+            self._step_down(rate, best_count, best_rate, now)
             if self.current == before:
                 return
         elif self.current != best_count and rate <= best_rate * (1 + GAIN):
@@ -398,7 +406,10 @@ class StreamCount:
                 # the link is flow-limited and these are not slower: they stay
                 self._best, self.settled, self._held_back = (self.current, rate), True, False
                 return
+            if self.paid and self.current not in self._taken_back and self._second_look(now):
+                return  # (a count taken back before is taken back at once again)
             # the streams added last did not pay: back to the best count, for good
+            self._taken_back.add(self.current)
             self.current, self.settled, self._held_back = best_count, True, True
         else:
             if self.current != best_count and best_rate > 0:
@@ -409,16 +420,32 @@ class StreamCount:
                 return
             self.current = min(GROWTH * self.current, self.limit)
         self.tried.append(self.current)
-        self._changed_at, self._mark = now, None
+        self._changed_at, self._mark, self._looking_again = now, None, False
         self.changed.notify_all()
 
-    def _step_down(self, rate: float, best_count: int, best_rate: float) -> None:
+    def _second_look(self, now: float) -> bool:
+        """Whether to measure the current count over one more window before a decision
+        that, if one window's noise misled it, costs a flow-limited link most of its rate
+        (taking back streams that paid, or keeping fewer): True the first time (the
+        window starts again now), False once it was looked at twice. On a real link
+        with 1% loss a window right after 48 new streams started read 64 at half of 16's
+        rate, and the transfer and the next two ran at 16 (RESULTS, stop 28)."""
+        if self._looking_again:
+            return False
+        self._looking_again = True
+        self._mark, self._chunks = (now, self._moved), 0
+        return True
+
+    def _step_down(self, rate: float, best_count: int, best_rate: float, now: float) -> None:
         """A descent's decision: fewer streams while they move at least as much as the best
-        (the more were not needed); back up to the best, for good, when they do not. Not
-        within SLOWER, as a step up is kept: too many streams cost connections, too few
-        on a lossy link most of its rate (16 for 64: 39% of line rate for 65%), and a
-        window reads 16 within SLOWER of 64 about as often as not."""
+        (the more were not needed: seen in two windows, `_second_look`); back up to the
+        best, for good, when they do not. Not within SLOWER, as a step up is kept: too
+        many streams cost connections, too few on a lossy link most of its rate (16 for
+        64: 39% of line rate for 65%), and a window reads 16 within SLOWER of 64 about
+        as often as not."""
         if self.current == best_count or rate >= best_rate:
+            if self.current != best_count and self._second_look(now):
+                return
             self._best = (self.current, rate)
             if self.current > 1:
                 self.current = max(1, self.current // GROWTH)
@@ -445,6 +472,8 @@ class StreamCount:
                 return 1, rate
             return 1, None
         if not self.settled and rate > 0:
+            if self.current in self._taken_back:  # re-probing a count found slower
+                return count, rate
             # mid-probe: a step up past more streams that paid is kept unless slower;
             # one down (a descent) only if it moves as much
             return (self.current if self.paid and not self._descend else count), None
@@ -462,7 +491,21 @@ class StreamCount:
 #: Every this many transfers in a direction that start above one stream, one starts by
 #: stepping down (`StreamCount` descend): a link that got better sheds its streams, at
 #: the cost of a measurement at fewer on one transfer in this many where it did not.
+#: Only a transfer with room to judge it descends (`descent_room`).
 DESCEND_EVERY = 4
+#: The size of a range's chunks in each direction (what a window counts).
+RANGE_CHUNKS = {"down": wire.RANGE_CHUNK_BYTES, "up": PARALLEL_CHUNK_BYTES}
+
+
+def descent_room(count: int, chunk_bytes: int) -> int:
+    """The bytes a transfer needs for a descent from `count` streams to be judged: a
+    window at `count` and two at a quarter of it (`StreamCount._second_look`), each of at
+    least a chunk per stream and MEASURE_CHUNKS, twice over for the warm-ups and the
+    transfer's end, where nothing is judged. A 40 MB upload over 64 streams has none
+    (its first window alone takes 16 MB in 256 KiB chunks): descending, it moved most of
+    its bytes over 16 streams, and ended before they were judged (RESULTS, stop 28)."""
+    fewer = max(1, count // GROWTH)
+    return 2 * chunk_bytes * (max(MEASURE_CHUNKS, count) + 2 * max(MEASURE_CHUNKS, fewer))
 
 
 class StreamMemory:
@@ -489,7 +532,9 @@ class StreamMemory:
     def plan(self, configured: int, nbytes: int, direction: str) -> StreamCount:
         start = self.start(direction)
         descend = (
-            start[0] > 1 and self._above.get(direction, 0) % DESCEND_EVERY == DESCEND_EVERY - 1
+            start[0] > 1
+            and self._above.get(direction, 0) % DESCEND_EVERY == DESCEND_EVERY - 1
+            and nbytes >= descent_room(start[0], RANGE_CHUNKS[direction])
         )
         return stream_plan(configured, nbytes, start, descend, self._paid)
 
