@@ -590,8 +590,9 @@ class SiteConfig:
         "4 stay if they raise the rate by > 25%, each later step unless it is > 30% "
         "slower; the next transfer starts at the count the last one stayed at (an upload "
         "with none yet at its download's), and one in four tries a quarter as many, kept "
-        "only if they move as much, so a link that got clean goes back to one call "
-        "(1% loss: 57-68% of the line rate from the second round). 1: always one call "
+        "only if they move as much (in two windows, on a transfer with room to tell), so a "
+        "link that got clean goes back to one call (1% loss: 55-68% of the line rate from "
+        "the second round, every transfer at 64 streams). 1: always one call "
         "(with BBR at the sender one stream is best); K: always K. A transfer under 4 MiB "
         "uses one (site/streams.py; benchmarks/RESULTS.md, 'WAN: parallel streams'). "
         "Masked (secure aggregation) uploads always use one.",
