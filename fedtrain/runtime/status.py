@@ -34,10 +34,6 @@ class SitePage:
     offset: int = 0
     limit: int | None = DEFAULT_PAGE
 
-    def of(self, names: list[str]) -> list[str]:
-        end = None if self.limit is None else self.offset + self.limit
-        return names[self.offset : end]
-
 
 def to_proto(state: ServerState) -> pb.StatusReply:
     return pb.StatusReply(

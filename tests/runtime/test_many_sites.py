@@ -323,6 +323,27 @@ def test_sites_joining_at_once_never_overfill_the_server() -> None:
         registry.add(Session(refused[0], "ipv4:127.0.0.1:8"), capacity=10)
 
 
+def test_status_pages_list_sites_by_name_as_they_join_reconnect_and_leave() -> None:
+    """A page of the registry's sessions, in name order, without sorting every name per
+    Status call: joins in any order, a reconnect (its name once, its new session), a
+    departure, and a replaced session's late removal (which leaves its successor)."""
+    registry = SessionRegistry()
+    joined = {f"site-{i:02d}": Session(f"site-{i:02d}", f"p{i}") for i in (7, 3, 11, 0, 5)}
+    for session in joined.values():
+        registry.add(session)
+    listed, total = registry.listed(0, 3)
+    assert [s.site for s in listed] == ["site-00", "site-03", "site-05"] and total == 5
+    again = Session("site-03", "p99")
+    old = registry.add(again)  # reconnected before its old stream was noticed dead
+    assert old is joined["site-03"]
+    registry.remove(old, "replaced")  # the old session ends: the new one stays listed
+    registry.remove(joined["site-07"], "left")
+    listed, total = registry.listed(1, None)
+    assert [s.site for s in listed] == ["site-03", "site-05", "site-11"] and total == 4
+    assert listed[0] is again
+    assert registry.listed(10, 5) == ([], 4)
+
+
 def test_sites_that_joined_a_smaller_federation_are_told_a_longer_heartbeat_interval(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

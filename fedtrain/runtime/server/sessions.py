@@ -12,6 +12,7 @@ grace) and may `rejoin` its session from a new connection.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import resource
@@ -179,6 +180,9 @@ class SessionRegistry:
         self._lock = threading.Lock()
         self.changed = threading.Condition(self._lock)
         self._by_site: dict[str, Session] = {}
+        #: The names in `_by_site`, sorted: a page of them costs O(page) (`listed`), not
+        #: a sort of every name per Status call (2.3 ms at 10,000 sites, per call).
+        self._names: list[str] = []
         self._by_token: dict[str, Session] = {}
         self._by_peer: dict[str, Session] = {}  # connection (ip:port) -> its session
         self._by_connection: dict[str, Session] = {}  # a parallel stream's connection
@@ -206,6 +210,8 @@ class SessionRegistry:
             if capacity is not None and old is None and len(self._by_site) >= capacity:
                 raise AtCapacity(capacity)
             self._by_site[session.site] = session
+            if old is None:
+                bisect.insort(self._names, session.site)
             self._by_token[session.token] = session
             self._by_peer[session.peer] = session
             self.changed.notify_all()
@@ -222,6 +228,7 @@ class SessionRegistry:
             self._by_token.pop(session.token, None)
             if self._by_site.get(session.site) is session:
                 del self._by_site[session.site]
+                del self._names[bisect.bisect_left(self._names, session.site)]
             if self._by_peer.get(session.peer) is session:
                 del self._by_peer[session.peer]
             for peer in session.connections:
@@ -308,6 +315,13 @@ class SessionRegistry:
     def sessions(self) -> list[Session]:
         with self._lock:
             return list(self._by_site.values())
+
+    def listed(self, offset: int, limit: int | None) -> tuple[list[Session], int]:
+        """`limit` sessions (None: all) from `offset` in the order of their site names,
+        and how many there are in all."""
+        with self._lock:
+            end = None if limit is None else offset + limit
+            return [self._by_site[name] for name in self._names[offset:end]], len(self._names)
 
     def __len__(self) -> int:
         with self._lock:

@@ -45,16 +45,15 @@ def server_state(
     """A snapshot of the federation (see the module docstring); `page` picks the sites
     it lists (default: every one)."""
     now = time.monotonic()
-    sessions = registry.sessions()
-    by_name = {s.site: s for s in sessions}
-    listed = (page or SitePage(limit=None)).of(sorted(by_name))
+    page = page or SitePage(limit=None)
+    listed, connected = registry.listed(page.offset, page.limit)
     state = coordinator.current
     model = coordinator.global_model
     evaluated = coordinator.last_evaluation
     return ServerState(
         run_id=coordinator.run_id,
         task=coordinator.config.task,
-        phase=phase(coordinator, len(sessions)),
+        phase=phase(coordinator, connected),
         round=state.round if state is not None else model.round,
         attempt=state.attempt if state is not None else 0,
         total_rounds=coordinator.config.rounds,
@@ -65,17 +64,17 @@ def server_state(
         finished=coordinator.finished.is_set(),
         sites=tuple(
             SiteState(
-                name,
-                now - by_name[name].joined_at,
-                now - by_name[name].last_seen,
-                *coordinator.links.rates(name),
-                *site_figures(evaluated, name),
-                in_flight(coordinator.links, name, now),
+                session.site,
+                now - session.joined_at,
+                now - session.last_seen,
+                *coordinator.links.rates(session.site),
+                *site_figures(evaluated, session.site),
+                in_flight(coordinator.links, session.site, now),
             )
-            for name in listed
+            for session in listed
         ),
         last_metrics=numbers(coordinator.last_metrics),
-        connected_sites=len(sessions),
+        connected_sites=connected,
         last_evaluation=numbers(evaluated),
         worst_site=str(evaluated.get("worst_site") or ""),
         bytes=coordinator.transfers.totals(),
