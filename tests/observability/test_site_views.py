@@ -21,6 +21,7 @@ from fedtrain.config import from_dict
 from fedtrain.observability.metrics import SITE_GAUGES, ServerMetrics
 from fedtrain.observability.status import ServerState, render_text
 from fedtrain.round_record import worst_first
+from fedtrain.runtime.server.sessions import Session, SessionRegistry
 from fedtrain.runtime.server.status import server_state
 from fedtrain.runtime.status import from_proto, to_proto
 from fedtrain.simulation import SimConfig, run_simulation
@@ -135,8 +136,9 @@ def _coordinator(record: dict[str, Any], secagg: bool) -> SimpleNamespace:
 
 
 def _status(record: dict[str, Any], sites: list[str], secagg: bool = False) -> ServerState:
-    sessions = [SimpleNamespace(site=s, joined_at=0.0, last_seen=0.0) for s in sites]
-    registry = SimpleNamespace(sessions=lambda: sessions)
+    registry = SessionRegistry()
+    for site in sites:
+        registry.add(Session(site, f"ipv4:127.0.0.1:{len(site)}"))
     state = server_state(_coordinator(record, secagg), registry)  # type: ignore[arg-type]
     return from_proto(to_proto(state))  # as `fedtrain status` receives it
 

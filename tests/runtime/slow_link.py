@@ -130,11 +130,15 @@ class SlowLink:
 
 @contextlib.contextmanager
 def fast_and_slow(
-    root: Path, task_options: dict[str, Any], rate: float, **server: Any
+    root: Path,
+    task_options: dict[str, Any],
+    rate: float,
+    slow_site: dict[str, Any] | None = None,
+    **server: Any,
 ) -> Iterator[tuple[Deployment, SlowLink]]:
     """A `FlatTask` deployment (TLS): sites fast-a and fast-b dial the server, site slow
-    dials it through a `SlowLink` at `rate` (LINK_BUFFER_BYTES in flight); all started.
-    The round needs 2 of the 3."""
+    dials it through a `SlowLink` at `rate` (LINK_BUFFER_BYTES in flight), with
+    `slow_site`'s site.toml keys; all started. The round needs 2 of the 3."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))  # the sites and the server import benchmarks.flat_task
     with (
@@ -151,7 +155,7 @@ def fast_and_slow(
         dep.start_server()
         for name in ("fast-a", "fast-b"):
             dep.start_site(name, task_options=task_options)
-        slow = dep.site_toml("slow", task_options=task_options)
+        slow = dep.site_toml("slow", task_options=task_options, **(slow_site or {}))
         slow.write_text(slow.read_text().replace(f"127.0.0.1:{dep.port}", f"127.0.0.1:{link.port}"))
         dep.start_site("slow", slow)
         yield dep, link
