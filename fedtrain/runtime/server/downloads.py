@@ -17,7 +17,7 @@ import asyncio
 import bisect
 import itertools
 import threading
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 from fedtrain.compression.downlink import (
@@ -37,7 +37,6 @@ from fedtrain.tensors import Chunk, ModelState
 #: (a second copy of a large model would cost more memory than the encoding saves).
 SHARED_DOWNLOAD_BYTES = 256 << 20
 _T = TypeVar("_T")
-Pieces = Iterable[tuple[bytes | Chunk, int]]
 Run = Callable[..., Awaitable[Any]]
 
 
@@ -143,7 +142,24 @@ class SharedDownloads:
         return manifest
 
 
-class _Encoded:
+class Pieces:
+    """What a download sends: (what to yield, tensor bytes) per chunk, in order."""
+
+    def __iter__(self) -> Iterator[tuple[bytes | Chunk, int]]:
+        raise NotImplementedError
+
+    def from_offset(self, offset: int) -> tuple[int, Iterator[tuple[bytes | Chunk, int]]]:
+        """The pieces that start at or after byte `offset`, and the byte the first of
+        them starts at (the total when none does)."""
+        walk, position = iter(self), 0
+        for piece, size in walk:
+            if position >= offset:
+                return position, itertools.chain([(piece, size)], walk)
+            position += size
+        return position, iter(())
+
+
+class _Encoded(Pieces):
     """A shared encoding's chunks as wire bytes, with the byte each starts at: a range
     (or a resume) starts at its first chunk without walking those before it (a ranged
     download is ~600 pieces of 64 KiB and hundreds of range requests)."""
@@ -152,26 +168,17 @@ class _Encoded:
         self.pieces = pieces
         self.starts = list(itertools.accumulate((size for _, size in pieces), initial=0))
 
-    def __iter__(self) -> Iterator[tuple[bytes, int]]:
+    def __iter__(self) -> Iterator[tuple[bytes | Chunk, int]]:
         return iter(self.pieces)
 
-
-def from_offset(pieces: Pieces, offset: int) -> tuple[int, Iterator[tuple[bytes | Chunk, int]]]:
-    """The pieces that start at or after byte `offset`, and the byte the first of them
-    starts at (the total when none does)."""
-    if isinstance(pieces, _Encoded):
-        first = bisect.bisect_left(pieces.starts, offset)
-        return pieces.starts[first], iter(pieces.pieces[first:])
-    walk, position = iter(pieces), 0  # made per download (views): nothing to index
-    for piece, size in walk:
-        if position >= offset:
-            return position, itertools.chain([(piece, size)], walk)
-        position += size
-    return position, iter(())
+    def from_offset(self, offset: int) -> tuple[int, Iterator[tuple[bytes | Chunk, int]]]:
+        first = bisect.bisect_left(self.starts, offset)
+        return self.starts[first], iter(self.pieces[first:])
 
 
-class _Chunked:
-    """A large encoding's chunks, made afresh (as views) for every download."""
+class _Chunked(Pieces):
+    """A large encoding's chunks, made afresh (as views) for every download (nothing to
+    index: a range walks the views before it)."""
 
     def __init__(self, parts: ModelState, chunk_bytes: int) -> None:
         self.parts = parts

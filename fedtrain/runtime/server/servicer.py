@@ -55,7 +55,7 @@ from fedtrain.runtime.server.admission import Refusal
 from fedtrain.runtime.server.audit import AuditLog
 from fedtrain.runtime.server.buffered import BufferedRounds
 from fedtrain.runtime.server.coordinator import Coordinator
-from fedtrain.runtime.server.downloads import SharedDownloads, from_offset
+from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.links import TransferMeter
@@ -729,7 +729,7 @@ class FedtrainServicer:
         # A resumed download (or a range that starts further on) skips the chunks
         # before its offset. A single stream resumes at a chunk boundary; a range takes
         # the chunks that start in it.
-        position, remaining = from_offset(pieces, request.offset)
+        position, remaining = pieces.from_offset(request.offset)
         if not request.end and position != request.offset:
             await abort(
                 context,
