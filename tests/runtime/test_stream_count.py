@@ -19,6 +19,7 @@ from fedtrain.runtime.site.streams import (
     GROWTH,
     LANES,
     MEASURE_S,
+    PAID_GAIN,
     PARALLEL_CHUNK_BYTES,
     RANGE_S,
     REPROBE_S,
@@ -130,6 +131,35 @@ def test_a_descent_keeps_fewer_streams_only_if_a_second_window_agrees() -> None:
 
     _transfer(count, clock, fewer_look_fast, 100 << 20)
     assert count.tried == [64, 16, 64] and count.current == 64 and count.settled
+
+
+def test_on_a_narrow_clean_link_a_modest_gain_does_not_mark_more_streams_as_paying() -> None:
+    """A 2 MB/s link, one call cut before its first 4 MiB chunk arrived: four streams
+    share the link with what the cut call had in flight and read 70% of it, sixteen then
+    read all of it (1.4x: a gain, so 64 are tried), 64 no more. Once, any gain over
+    GAIN marked the link flow-limited: 64 stayed, and the server's rate estimate read
+    high by what 64 connections' buffers held (a slow site it should have skipped tried
+    the next round). Only a step that multiplies the rate (PAID_GAIN) marks it: 64 are
+    taken back to 16 (each time they are probed again), where the next transfer starts."""
+    link = 2e6
+    clock = Clock()
+    count = _auto(clock, 80 << 20)  # (a window at 64 takes 16 MB)
+    clock.advance(DECIDE_S)
+    assert count.poll(4 << 20) and count.current == GROWTH  # cut unmeasured
+
+    def narrow(k: int, _: float) -> float:
+        return link * (0.7 if k == GROWTH else 1.0)
+
+    _transfer(count, clock, narrow, 70 << 20)
+    assert count.tried[:5] == [1, 4, 16, 64, 16] and not count.paid
+    assert set(count.tried[5:]) <= {16, 64} and count.current == 16  # re-probed: no gain
+    assert count.next_start()[0] == 16
+    lossy = _auto(clock, 100 << 20)  # where a step multiplies the rate, it does mark it
+    clock.advance(DECIDE_S)
+    assert lossy.poll(4 << 20)
+    _transfer(lossy, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
+    assert lossy.paid and lossy.tried[:4] == [1, 4, 16, 64]
+    assert lossy.rates[2] >= PAID_GAIN * lossy.rates[1]
 
 
 def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -> None:
