@@ -488,13 +488,30 @@ def test_a_stream_takes_what_it_moves_in_range_s_so_a_slow_one_never_holds_the_e
     lossy link's single flow as 10 MB (23 s at 0.44 MB/s), and the transfer waited for
     it long after the streams added meanwhile had moved the rest."""
     cutter = RangeCutter.over_chunks([CHUNK] * 160)
-    count = StreamCount(1, 64)
+    count = StreamCount.fixed(4)
     first = cutter.take(count)  # no rate known yet
     assert first == (0, FIRST_RANGE_BYTES)
     slow = cutter.take(count, want=FLOW * RANGE_S)
     assert slow is not None and slow[1] - slow[0] == 2 * CHUNK  # 0.44 MB, to a chunk
     fast = cutter.take(count, want=LINE * RANGE_S)
-    assert fast is not None and fast[1] - fast[0] == 39 * CHUNK  # capped: 1/4 of the 154 left
+    assert fast is not None and fast[1] - fast[0] == 10 * CHUNK  # capped: 1/16 of the 154 left
+
+
+def test_while_the_count_may_grow_ranges_are_cut_for_its_limit() -> None:
+    """At 1% loss the round-1 download's first four streams took 1 MB ranges while they
+    had the link to themselves; once 64 streams shared it those took 7-8 s, and the
+    download ended 5 s after its last range was handed out. Ranges are cut for the most
+    streams the count may reach: 1 / (4 x 64) of what is left, however fast the asking
+    stream moved its last."""
+    cutter = RangeCutter.over_download(0, 40 << 20)
+    probing = StreamCount(4, 64)
+    assert not probing.settled
+    for want in (None, FLOW * RANGE_S, LINE * RANGE_S):
+        byte_range = cutter.take(probing, want)
+        assert byte_range is not None
+        left = (40 << 20) - byte_range[0]
+        assert byte_range[1] - byte_range[0] == max(wire.RANGE_CHUNK_BYTES, left // (4 * 64))
+    assert FIRST_RANGE_BYTES > (40 << 20) // (4 * 64)  # (what the first took before)
 
 
 def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:

@@ -51,9 +51,10 @@ PROBE_MIN_BYTES are one call. With many streams the server's download-rate estim
 (`links.py`) reads high by what the streams' buffers hold.
 
 Ranges are cut as the streams ask for them (`RangeCutter`): what the asking stream
-moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x streams)
-of what is left, so that streams added later find some and no slow stream is left
-holding a large range at the end.
+moved in RANGE_S at its last range's rate, at most 1 / (RANGES_PER_STREAM x the most
+streams the count may reach) of what is left, so that streams added later find some
+and no stream is left holding a large range at the end (a range cut for one of four
+streams' share of a lossy link takes 16 times as long once 64 share it).
 Each stream keeps LANES calls in flight on its connection, so the round trips between
 ranges (an upload's go-ahead and receipt, a download's request) leave no link time
 idle. The server accepts at most wire.MAX_UPLOAD_RANGES ranges per upload: no range is
@@ -84,7 +85,8 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 #: Ranges per stream: streams that run fast take more of them (a range is cut to
-#: 1 / (RANGES_PER_STREAM x streams) of what is left, so they shrink towards the end).
+#: 1 / (RANGES_PER_STREAM x the count's limit) of what is left, so they shrink towards
+#: the end).
 RANGES_PER_STREAM = 4
 #: Calls in flight on each stream's connection: while one waits for its go-ahead, its
 #: manifest or its receipt (a round trip each), the other keeps the link busy.
@@ -637,8 +639,9 @@ def stream_plan(
 class RangeCutter:
     """The bytes [start, end) of a transfer, cut into ranges as the streams ask for
     them: what the asking stream moves in RANGE_S, at most 1 / (RANGES_PER_STREAM x
-    streams) of what is left (so that streams added later find ranges to take, and no
-    slow stream holds the transfer's last seconds), at least `least` bytes,
+    the most streams the count may reach, its `limit`) of what is left (so that
+    streams added later find ranges to take, and no stream holds the transfer's last
+    seconds with a range cut for a larger share of the link), at least `least` bytes,
     ending at one of `boundaries` (an upload's chunk ends; None: any byte). One fixed
     stream takes all that is left in one call. With `first_end`,
     the first range ends there."""
@@ -690,7 +693,11 @@ class RangeCutter:
             if not count.adaptive and count.current == 1:
                 size = left
             else:
-                size = left // (RANGES_PER_STREAM * count.current)
+                # by the limit, not the current count: at 1% loss the first four
+                # streams' 1 MB ranges, taken while they had the link to themselves,
+                # took 7-8 s once 64 shared it, and held the round-1 download 5 s past
+                # its last range (RESULTS, stop 29)
+                size = left // (RANGES_PER_STREAM * count.limit)
                 size = min(size, int(want) if want is not None else FIRST_RANGE_BYTES)
             stop = min(self.end, self._first_end or self._next + max(self._least, size))
             self._first_end = 0
