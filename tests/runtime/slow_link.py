@@ -96,7 +96,12 @@ class SlowLink:
             writer.get_extra_info("socket").setsockopt(
                 socket.SOL_SOCKET, socket.SO_RCVBUF, self.buffer_bytes
             )
-        await self._loop.sock_connect(upstream, ("127.0.0.1", self.target_port))
+        try:
+            await self._loop.sock_connect(upstream, ("127.0.0.1", self.target_port))
+        except OSError:  # the server is gone: the site sees its connection close
+            upstream.close()
+            writer.close()
+            return
         up_reader, up_writer = await asyncio.open_connection(sock=upstream)
         free = {"up": 0.0, "down": 0.0} if self.per_connection else self._free
         await asyncio.gather(
