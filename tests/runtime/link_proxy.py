@@ -5,7 +5,10 @@ sockets stay open and quiet, as when a router between site and server goes down 
 FIN, no RST; only timeouts can notice). `pause_after_up(n)` pauses it by itself once
 `n` bytes have gone from the site to the server (`pause_after_down`: the other way),
 so a test can cut a link in the middle of a transfer without racing it. New
-connections made while it is paused wait until it resumes.
+connections made while it is paused wait until it resumes. `resume(stall_connections=
+True)` leaves the connections made before silent for good, as TCP leaves connections
+that were sending when the link went down (their retransmission timer backed off
+during the outage), while new ones carry data at once.
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ class LinkProxy:
         self._bytes = {True: 0, False: 0}  # sent up (site to server), sent down
         self._pause_at: tuple[bool, int] | None = None
         self._closed = False
+        self._ended = threading.Event()  # set by close()
+        #: Connections are numbered as they are made; those below this stay silent.
+        self._made = 0
+        self._live_from = 0
         threading.Thread(target=self._accept, daemon=True).start()
 
     # -- what a test does ---------------------------------------------------------------
     def pause(self) -> None:
         self._flowing.clear()
 
-    def resume(self, *, drop_connections: bool = False) -> None:
+    def resume(self, *, drop_connections: bool = False, stall_connections: bool = False) -> None:
         """End the outage; with `drop_connections` the connections made before it are
-        gone (reset, as after a NAT or firewall forgot them): only new ones carry data."""
+        gone (reset, as after a NAT or firewall forgot them), with `stall_connections`
+        they stay silent: either way only new ones carry data."""
+        if stall_connections:
+            with self._lock:
+                self._live_from = self._made
         if drop_connections:
             with self._lock:
                 sockets, self._sockets = self._sockets, []
@@ -67,6 +78,7 @@ class LinkProxy:
 
     def close(self) -> None:
         self._closed = True
+        self._ended.set()
         self._flowing.set()
         with contextlib.suppress(OSError):
             self._listener.close()
@@ -94,18 +106,19 @@ class LinkProxy:
             return
         with self._lock:
             self._sockets += [client, server]
-        threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+            number, self._made = self._made, self._made + 1
+        for src, dst, up in ((client, server, True), (server, client, False)):
+            threading.Thread(target=self._pump, args=(src, dst, up, number), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, up: bool, number: int) -> None:
         try:
             while True:
-                self._flowing.wait()
+                self._wait_flowing(number)
                 data = src.recv(BUFFER)
                 if not data:
                     break
                 while data:
-                    self._flowing.wait()
+                    self._wait_flowing(number)
                     if self._closed:
                         return
                     data = self._forward(dst, data, up)
@@ -115,6 +128,12 @@ class LinkProxy:
             for sock in (src, dst):
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
+
+    def _wait_flowing(self, number: int) -> None:
+        """Until the link carries connection `number`'s data (never, once it stalled)."""
+        self._flowing.wait()
+        if number < self._live_from:
+            self._ended.wait()
 
     def _forward(self, dst: socket.socket, data: bytes, up: bool) -> bytes:
         """Send `data` (up to a pending pause point); what is left to send after it."""

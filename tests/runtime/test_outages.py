@@ -25,6 +25,7 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import Link, SiteDaemon
+from fedtrain.runtime.site.outage_watch import OutageWatch
 from fedtrain.task import task_fingerprint
 
 #: A model of ~800 KB, sent in 64 KiB chunks: the link fails well inside its upload.
@@ -37,17 +38,24 @@ def _audit(server: AggregationServer, event: str) -> list[dict[str, Any]]:
 
 
 def _site(
-    name: str, address: str, task: TinyTask, stop_after: list[Any], streams: int = 0
+    name: str,
+    address: str,
+    task: TinyTask,
+    stop_after: list[Any],
+    streams: int = 0,
+    pki: Any = None,
 ) -> SiteDaemon:
-    raw = {
+    raw: dict[str, Any] = {
         "task": "runtime_support:TinyTask",
         "name": name,
         "server": address,
         "reconnect": {"min_s": 0.1, "max_s": 0.5},
         "transfer_streams": streams,
     }
+    if pki is not None:  # its certificate's name is the site's
+        raw["tls"] = {"ca": str(pki.ca_cert), "cert": str(pki.site_cert), "key": str(pki.site_key)}
     daemon = SiteDaemon(
-        from_dict(SiteConfig, raw), insecure=True, task=task, data=task.datasets()[0]
+        from_dict(SiteConfig, raw), insecure=pki is None, task=task, data=task.datasets()[0]
     )
     threading.Thread(target=daemon.run, daemon=True).start()
     stop_after.append(daemon)
@@ -61,7 +69,7 @@ def _server(
     server = inprocess_server(
         tmp_path,
         task,
-        sites=sites,
+        sites,
         rounds=1,
         chunk_bytes=CHUNK_BYTES,
         heartbeat={"interval_s": 0.2, "timeout_s": timeout_s, "grace_s": grace_s},
@@ -105,6 +113,40 @@ def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes
     # Nothing the server held was sent again (the chunk in flight was never received).
     assert server.coordinator.transfers.total_in == update_bytes
     assert not any("grace" in r["reason"] for r in _audit(server, "leave"))  # never dropped
+
+
+@pytest.mark.parametrize("streams", [1, 4], ids=["one-stream", "parallel-streams"])
+def test_connections_left_silent_after_an_outage_are_replaced_and_the_upload_resumes(
+    tmp_path, stop_after, pki, streams
+) -> None:
+    """After an outage TCP waits out a retransmission timer that doubled during it, so
+    the connections that were sending stay silent past its end (the proxy: for good),
+    and the server, whose heartbeat timeout is longer than the outage, notices nothing.
+    The site dials the server while its upload is stalled: the dials fail while the link
+    is down; the first that goes through after it replaces the session's connections,
+    and the upload continues from where the server holds it. Over TLS: a dial goes
+    through once its handshake is done, which takes the server's answer (the proxy
+    accepts a connection itself, as a middlebox may)."""
+    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0, timeout_s=30.0, pki=pki)
+    proxy = _proxy(server, stop_after)
+    update_bytes = server.coordinator.global_model.state.nbytes
+    proxy.pause_after_up(update_bytes // 2)
+    site = _site("hospital-a", proxy.address, TinyTask(features=FEATURES), stop_after, streams, pki)
+    wait_for(lambda: proxy.paused, 60, "the link to fail mid-upload")
+    time.sleep(4.0)  # the site's dials fail meanwhile: the link is down
+    assert site.outages.replaced == 0
+    proxy.resume(stall_connections=True)
+    assert server.wait(20) and server.coordinator.error is None
+    record = _round(server, 1)
+    assert record["dropped"] == [] and record["clients"] == 1
+    assert site.outages.replaced == 1
+    assert {r["site"] for r in _audit(server, "rejoin")} == {"hospital-a"}
+    assert not _audit(server, "site_away")  # the server never saw the outage
+    resumed = _audit(server, "upload_resumed")
+    if streams == 1:
+        assert resumed and resumed[0]["offset"] > 0
+    # Nothing the server held was sent again.
+    assert server.coordinator.transfers.total_in == update_bytes
 
 
 def test_a_site_away_past_the_grace_is_dropped_and_its_upload_discarded_at_once(
@@ -272,6 +314,34 @@ def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, s
     assert _round(server, 1)["dropped"] == [] and not _audit(server, "site_away")
 
 
+def test_a_stream_ended_to_reconnect_is_kept_for_the_grace_though_the_site_just_talked(
+    tmp_path, stop_after
+) -> None:
+    """A site that replaces its connections (OutageWatch) ends its control stream saying
+    so (Heartbeat.reconnecting): where that reaches the server (the old connection was
+    not stalled after all) the end is an outage, not a leave, and the site rejoins."""
+    task = TinyTask()
+    server = inprocess_server(
+        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 20.0}
+    )
+    stop_after.append(server)
+    fp = task_fingerprint(task)
+    old = FakeSite(server.port, "alpha", fp)
+    stop_after.append(old)
+    old.expect("instruction")
+    old.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(reconnecting=True)))
+    old.outbox.put(None)
+    [away] = wait_for(lambda: _audit(server, "site_away"), 10, "the server to keep the session")
+    assert away["site"] == "alpha" and "to reconnect" in away["reason"]
+    assert not _audit(server, "leave")
+    new = FakeSite(server.port, "alpha", fp, resume_token=old.token)
+    stop_after.append(new)
+    assert new.welcome.resumed and new.token == old.token
+    new.expect("instruction")  # its round again
+    session = server.registry.get("alpha")
+    assert session is not None and not session.reconnecting and not session.closed
+
+
 def test_a_retry_that_meets_the_channel_the_broken_session_closed_waits_for_the_rejoin() -> None:
     """Measured on the emulated WAN (60 s cut mid-upload): the upload broke (sendmsg
     timed out) before the control stream noticed; the retry then met the channel the
@@ -279,6 +349,7 @@ def test_a_retry_that_meets_the_channel_the_broken_session_closed_waits_for_the_
     site instead of continuing on the rejoined session."""
     daemon = SiteDaemon.__new__(SiteDaemon)
     daemon._stop = threading.Event()
+    daemon.outages = OutageWatch(lambda timeout_s: True, lambda since: False)
     link = Link(None, "token", "run", 1, queue.SimpleQueue())  # type: ignore[arg-type]
     link.up.set()
     tries: list[int] = []

@@ -444,6 +444,7 @@ class FedtrainServicer:
                 kind = message.WhichOneof("kind")
                 if kind == "heartbeat":
                     session.leaving = message.heartbeat.leaving
+                    session.reconnecting = message.heartbeat.reconnecting
                     continue
                 if kind == "error":
                     err = message.error
@@ -494,7 +495,8 @@ class FedtrainServicer:
     def _lost(self, session: Session, reason: str) -> None:
         """The site's control stream ended or broke. A site that said it is leaving
         (Heartbeat.leaving), or whose stream ended while it was talking (its process
-        exited or was killed), is gone at once; after a silence it is an outage: the
+        exited or was killed), is gone at once; after a silence, or when the site said
+        it rejoins on a new connection (Heartbeat.reconnecting), it is an outage: the
         site is kept `heartbeat.grace_s` (`detach`).
 
         A silence is two heartbeat periods, or the keepalive period if that is shorter:
@@ -506,9 +508,11 @@ class FedtrainServicer:
             return
         quiet_s = time.monotonic() - session.last_seen
         silence_s = min(2 * session.heartbeat_interval_s, self.config.heartbeat.keepalive_s)
-        outage = quiet_s > silence_s and not (session.leaving or self.coordinator.stopped)
+        quiet = quiet_s > silence_s or session.reconnecting
+        outage = quiet and not (session.leaving or self.coordinator.stopped)
         if self.config.heartbeat.grace_s > 0 and outage:
-            self.detach(session, f"{reason} after {quiet_s:.0f}s of silence")
+            why = "to reconnect" if session.reconnecting else f"after {quiet_s:.0f}s of silence"
+            self.detach(session, f"{reason} {why}")
         else:
             self._leave(session, reason)
 

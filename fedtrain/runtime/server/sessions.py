@@ -67,6 +67,9 @@ class Session:
     #: The site said it is leaving (Heartbeat.leaving): the end of its stream is a
     #: leave, whatever silence came before it.
     leaving: bool = False
+    #: The site said it ends its stream to rejoin on a new connection at once
+    #: (Heartbeat.reconnecting): the end of its stream is an outage, kept for the grace.
+    reconnecting: bool = False
     #: With TLS: the site's certificate (PEM) whose key proved this session at join.
     certificate: bytes = b""
     #: What the site said it can do when it joined (e.g. `evaluate`: it holds a
@@ -266,7 +269,7 @@ class SessionRegistry:
             quiet_since = min(session.last_seen, session.detached_at or session.last_seen)
             session.outage_s += time.monotonic() - quiet_since
             session.peer, session.detached_at = peer, None
-            session.leaving = False
+            session.leaving = session.reconnecting = False
             session.touch()
             self._by_peer[peer] = session
             self.changed.notify_all()

@@ -61,6 +61,7 @@ from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site.data import site_data
 from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
+from fedtrain.runtime.site.outage_watch import OutageWatch
 from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.streams import (
     PARALLEL_CHUNK_BYTES,
@@ -120,6 +121,9 @@ RESUME_PAUSE_S = 0.5
 #: How long a stopping daemon waits for the server to end the control stream after it
 #: said it is leaving (one round trip on a live link).
 LEAVE_S = 2.0
+#: How long a daemon that rejoins its session on a new connection (`OutageWatch`)
+#: waits for the server to end the old control stream (a stalled link: it never does).
+RECONNECT_S = 1.0
 #: How long a stopping daemon waits for a job in flight to notice. A round training in
 #: this process cannot be interrupted, and its update is lost either way (the server
 #: counts this site as a dropout), so the daemon does not wait for it to finish.
@@ -200,6 +204,8 @@ class Link:
     #: The parallel streams' connections beyond the control stream's (`stream_channel`;
     #: None: not dialled yet).
     extra_channels: list[StreamConnection | None] = field(default_factory=list)
+    #: The connections of transfers on connections of their own (`own_connection`).
+    _own: dict[int, StreamConnection] = field(default_factory=dict)
     _channels_lock: threading.Lock = field(default_factory=threading.Lock)
     #: One per parallel stream: its connection is dialled once, beside the others' (a
     #: count grown from 16 to 64 dials 48 at once, not one TLS join after another).
@@ -249,23 +255,33 @@ class Link:
         held: list[StreamConnection] = []
 
         def channel(number: int) -> grpc.Channel:
-            while held:
-                held.pop().close()
+            release()
             if self.dial is None:
                 return self.channel
-            held.append(self._dial())
-            return held[-1].channel
+            connection = self._dial()
+            held.append(connection)
+            with self._channels_lock:
+                self._own[id(connection)] = connection
+            return connection.channel
+
+        def release() -> None:
+            while held:
+                connection = held.pop()
+                with self._channels_lock:
+                    self._own.pop(id(connection), None)
+                connection.close()
 
         try:
             yield channel
         finally:
-            while held:
-                held.pop().close()
+            release()
 
     def close_channels(self) -> None:
-        """Close the parallel streams' connections (they are dialled again when needed)."""
+        """Close the parallel streams' connections (they are dialled again when needed)
+        and those of transfers on connections of their own (their next try dials anew)."""
         with self._channels_lock:
             connections, self.extra_channels = self.extra_channels, []
+            connections += self._own.values()
         for connection in connections:
             if connection is not None:
                 connection.close()
@@ -357,6 +373,11 @@ class SiteDaemon:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call, which stop() ends from any thread
         self._call: grpc.Call | None = None
+        self._call_began = 0.0  # when _call was made (time.monotonic)
+        #: Set to end a reconnect's back-off early (the link is back; the daemon stops).
+        self._reconnect_now = threading.Event()
+        #: Set while the control stream is ended to rejoin on a new connection.
+        self._replacing = threading.Event()
         self._outbox: queue.SimpleQueue[pb.SiteMessage | None] | None = None
         #: The next TRAIN and the next EVALUATE not yet started, each replaced by a newer
         #: one of its kind (under FedBuff an evaluation arrives while a job is pending).
@@ -368,6 +389,8 @@ class SiteDaemon:
         self._away: Link | None = None
         #: The last instruction received (serialized): a repeat of it is not work.
         self._instructed = b""
+        #: Replaces the session's connections when an outage left them backing off.
+        self.outages = OutageWatch(self._dial_server, self._replace_connections)
 
     # -- lifecycle --------------------------------------------------------------------------
     def run(self) -> None:
@@ -420,7 +443,8 @@ class SiteDaemon:
                     break
                 delay = backoff.next(retry_after)
                 log.info("reconnecting to %s in %.1fs", self.config.server, delay)
-                self._stop.wait(delay)
+                self._reconnect_now.wait(delay)
+                self._reconnect_now.clear()
         finally:
             self.stop()
             self._close_group()  # first: it cuts a round in training short
@@ -439,6 +463,7 @@ class SiteDaemon:
     def stop(self) -> None:
         """Leave: cancel the control stream and end the threads (idempotent, signal-safe)."""
         self._stop.set()
+        self._reconnect_now.set()
         away = self._away
         if away is not None:
             away.closed.set()
@@ -447,7 +472,8 @@ class SiteDaemon:
             call, outbox = self._call, self._outbox
             self._call = None
         if call is not None and outbox is not None:
-            _leave_stream(call, outbox)
+            # a site that stops on purpose is dropped at once, not kept for the grace
+            _end_stream(call, outbox, pb.Heartbeat(leaving=True), LEAVE_S)
         with self._job_ready:
             self._job_ready.notify_all()
         self.secagg.close("the site is stopping")
@@ -460,6 +486,43 @@ class SiteDaemon:
         if self.config.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.config.tls.server_name))
         return grpc.secure_channel(self.config.server, self._identity.credentials, options=options)
+
+    def _dial_server(self, timeout_s: float) -> bool:
+        """Whether a new connection reaches the server within `timeout_s` (with TLS:
+        its handshake done). It is closed at once; the server sees no call."""
+        channel = self._channel()
+        try:
+            grpc.channel_ready_future(channel).result(timeout=timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            channel.close()
+
+    def _replace_connections(self, since: float) -> bool:
+        """The link is back after an outage, and the transfers, stalled since `since`,
+        still do not move (`OutageWatch`): end the control stream, if it carried them,
+        as if its link broke (the daemon rejoins its session on a new connection, and
+        the transfers continue on it); a reconnect waiting out its back-off goes now.
+        Whether the session's connections were replaced."""
+        with self._lock:
+            call, outbox, began = self._call, self._outbox, self._call_began
+        if self._stop.is_set():
+            return False
+        if call is None:  # a reconnect waits out its back-off: the link is back, go now
+            self._reconnect_now.set()
+            return False
+        if outbox is None or began > since:  # rejoined since they stalled
+            return False
+        log.warning(
+            "the link to the server is back, but this site's transfers still do not move "
+            "after the outage (their connections wait out TCP's backed-off retransmission "
+            "timer); rejoining the session on new connections, and continuing the "
+            "transfers where the server holds them"
+        )
+        self._replacing.set()
+        _end_stream(call, outbox, pb.Heartbeat(reconnecting=True), RECONNECT_S)
+        return True
 
     def _dial_stream(self, link: Link) -> StreamConnection:
         """A connection of its own for one of `link`'s parallel streams. With TLS the
@@ -530,6 +593,7 @@ class SiteDaemon:
 
     def _session(self, backoff: Backoff) -> None:
         """One connection: join, then dispatch server messages until the stream ends."""
+        self._replacing.clear()
         channel = self._channel()
         outbox: queue.SimpleQueue[pb.SiteMessage | None] = queue.SimpleQueue()
         if self._identity is None:
@@ -541,13 +605,14 @@ class SiteDaemon:
         )
         call = control(_drain(outbox))
         with self._lock:
-            self._call, self._outbox = call, outbox
+            self._call, self._outbox, self._call_began = call, outbox, time.monotonic()
         if self._stop.is_set():
             call.cancel()
         link: Link | None = None
         broke = False
         try:
             for message in call:
+                self.outages.heard()
                 kind = message.WhichOneof("kind")
                 if kind == "challenge":
                     if self._identity is None or link is not None:
@@ -576,11 +641,17 @@ class SiteDaemon:
                     return
                 else:
                     log.warning("ignoring a %s message this site does not handle", kind)
-            log.info("the server ended the control stream")
+            if not self._replacing.is_set():
+                log.info("the server ended the control stream")
         except grpc.RpcError:
             broke = not self._stop.is_set()
-            raise
+            if not self._replacing.is_set():
+                raise
         finally:
+            if self._replacing.is_set():  # ended to rejoin on a new connection: now
+                self._replacing.clear()
+                broke = not self._stop.is_set()
+                self._reconnect_now.set()
             if link is not None and broke:  # an outage, maybe: try to continue it
                 link.up.clear()
                 self._away = link
@@ -988,7 +1059,9 @@ class SiteDaemon:
             )
         else:
             chunks = self._plain_download(link, deadline_unix, manifest, pieces, request, count)
-        model = receive_model(manifest, chunks, link.download_codec, previous, held)
+        # (a download without a deadline does not continue on a rejoined session)
+        with self.outages.watching(count) if deadline_unix else contextlib.nullcontext():
+            model = receive_model(manifest, chunks, link.download_codec, previous, held)
         self._streams_used(count, "down", f"model {version[:12]}: downloaded")
         return model
 
@@ -1085,6 +1158,7 @@ class SiteDaemon:
                     yield chunk
                 return
             except (grpc.RpcError, ValueError) as exc:
+                self.outages.heard()
                 if switch is not None and switch.switched:
                     return  # cut for more streams: they move the rest
                 if not deadline_unix or not _link_broke(exc):
@@ -1108,6 +1182,7 @@ class SiteDaemon:
             try:
                 return transfer()
             except (grpc.RpcError, ValueError) as exc:
+                self.outages.heard()  # (or the channel closed under it: no stalled one)
                 if not _link_broke(exc) or not self._await_link(link, deadline_unix):
                     raise
                 log.warning(
@@ -1164,32 +1239,47 @@ class SiteDaemon:
         after it (parallel streams have theirs anyway)."""
         ranged = isinstance(chunks, UpdateChunks) and not header.masked
         count = StreamCount.fixed(1)
-        if isinstance(chunks, UpdateChunks) and not header.masked:
-            count = self._stream_plan(link, sum(chunks.sizes()), "up")
-        if count.parallel:
+        if ranged:
             assert isinstance(chunks, UpdateChunks)
-            receipt = self._ranged_upload(link, header, chunks, count, deadline_unix)
-        else:
-            shared = SharedUpload()
-            in_flight = chunks.chunk_bytes if isinstance(chunks, UpdateChunks) else 0
-            if own_connection:
-                log.debug("round %d: uploading on a connection of its own", header.round)
-            try:
-                with (
-                    link.own_connection() if own_connection else contextlib.nullcontext() as via,
-                    CallSwitch(count, in_flight) as switch,
-                ):
-                    receipt = self._upload_range(
-                        link, 0, header, chunks, shared, deadline_unix, count.moved, switch, via
-                    )
-            except _CallCut as cut:
-                assert ranged and isinstance(chunks, UpdateChunks)
-                log.debug("round %d: one call cut at byte %d", header.round, cut.position)
-                receipt = self._ranged_upload(
-                    link, header, chunks, count, deadline_unix, cut, shared.id
+            count = self._stream_plan(link, sum(chunks.sizes()), "up")
+        with self.outages.watching(count):
+            if count.parallel:
+                assert isinstance(chunks, UpdateChunks)
+                receipt = self._ranged_upload(link, header, chunks, count, deadline_unix)
+            else:
+                receipt = self._plain_upload(
+                    link, header, chunks, count, deadline_unix, own_connection
                 )
         self._streams_used(count, "up", f"round {header.round}: uploaded")
         return receipt
+
+    def _plain_upload(
+        self,
+        link: Link,
+        header: pb.UploadHeader,
+        chunks: Callable[[], Iterator[Chunk]],
+        count: StreamCount,
+        deadline_unix: float,
+        own_connection: bool,
+    ) -> pb.UploadReceipt:
+        """An upload as one call, which the automatic `count` may cut: the rest then
+        goes in ranges over more streams."""
+        shared = SharedUpload()
+        in_flight = chunks.chunk_bytes if isinstance(chunks, UpdateChunks) else 0
+        if own_connection:
+            log.debug("round %d: uploading on a connection of its own", header.round)
+        try:
+            with (
+                link.own_connection() if own_connection else contextlib.nullcontext() as via,
+                CallSwitch(count, in_flight) as switch,
+            ):
+                return self._upload_range(
+                    link, 0, header, chunks, shared, deadline_unix, count.moved, switch, via
+                )
+        except _CallCut as cut:
+            assert isinstance(chunks, UpdateChunks) and not header.masked
+            log.debug("round %d: one call cut at byte %d", header.round, cut.position)
+            return self._ranged_upload(link, header, chunks, count, deadline_unix, cut, shared.id)
 
     def _ranged_upload(
         self,
@@ -1476,16 +1566,21 @@ def _data_source(config: SiteConfig) -> str:
     return f"part {data.partition} of {data.num_partitions}, {data.kind} split"
 
 
-def _leave_stream(call: grpc.Call, outbox: queue.SimpleQueue[pb.SiteMessage | None]) -> None:
-    """End the control stream saying so, then cancel it: a stream that ends after a
-    silence is an outage to the server (the site kept in its round for the grace), so a
-    site that stops on purpose says it is leaving and is dropped at once. Waits at most
-    `LEAVE_S` for the server to end the stream (a dead link: it never does)."""
-    outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(leaving=True)))
+def _end_stream(
+    call: grpc.Call,
+    outbox: queue.SimpleQueue[pb.SiteMessage | None],
+    why: pb.Heartbeat,
+    wait_s: float,
+) -> None:
+    """End the control stream saying `why`, then cancel it; waits at most `wait_s` for
+    the server to end the stream (a dead link: it never does). A stream that ends right
+    after the site talked is a site that left to the server, one after a silence an
+    outage: `why` says which it is (Heartbeat.leaving, Heartbeat.reconnecting)."""
+    outbox.put(pb.SiteMessage(heartbeat=why))
     outbox.put(None)
     ended = threading.Event()
     if call.add_callback(ended.set):  # False: the call has already ended
-        ended.wait(LEAVE_S)
+        ended.wait(wait_s)
     call.cancel()
 
 

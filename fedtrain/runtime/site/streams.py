@@ -290,8 +290,9 @@ class StreamCount:
         self._first: tuple[float, int] | None = None
         self._last: tuple[float, int] | None = None
         self._arrived = 0
-        #: When the plain call's last chunk arrived, and the longest wait for one so far
-        #: (from the start for the first): a silence far longer is a stall, not a rate.
+        #: When the transfer's last chunk arrived (on any stream), and the longest wait
+        #: for one so far (from the start for the first): a silence far longer is a
+        #: stall, not a rate (`stalled`).
         self._arrival: float | None = None
         self._longest_wait = 0.0
         #: Every range is handed out: the streams run out of work one by one, and what
@@ -312,10 +313,10 @@ class StreamCount:
         with self.changed:
             self._moved += nbytes
             now = self._clock()
+            since = self._changed_at if self._arrival is None else self._arrival
+            self._longest_wait = max(self._longest_wait, now - since)
+            self._arrival = now
             if self.alone:  # measured from the first chunk past the warm-up
-                since = self._changed_at if self._arrival is None else self._arrival
-                self._longest_wait = max(self._longest_wait, now - since)
-                self._arrival = now
                 if self._first is None and now - self._changed_at >= WARMUP_S:
                     self._first = (now, self._moved)
                 if self._first is not None:
@@ -338,6 +339,28 @@ class StreamCount:
             if now - since < MEASURE_S or self._chunks < max(MEASURE_CHUNKS, self.current):
                 return
             self._decide((self._moved - before) / (now - since), now)
+
+    @property
+    def moved_bytes(self) -> int:
+        """What the transfer's streams have moved so far."""
+        return self._moved
+
+    @property
+    def arrived_at(self) -> float | None:
+        """When the last chunk arrived (the count's clock); None before the first."""
+        return self._arrival
+
+    def stalled(self) -> bool:
+        """Whether chunks came, then none for far longer than any wait for one so far
+        (STALL_WAITS times the longest, at least STALL_S): the link is down (an outage),
+        not slow."""
+        with self.changed:
+            return self._stalled(self._clock())
+
+    def _stalled(self, now: float) -> bool:
+        return self._arrival is not None and now - self._arrival > max(
+            STALL_S, STALL_WAITS * self._longest_wait
+        )
 
     def ending(self) -> None:
         """The transfer's last range is handed out: no more decisions."""
@@ -368,12 +391,9 @@ class StreamCount:
             now = self._clock()
             if now - self._changed_at < DECIDE_S:
                 return False
-            if self._arrival is not None and now - self._arrival > max(
-                STALL_S, STALL_WAITS * self._longest_wait
-            ):
-                # Chunks came, then none for far longer than any wait so far: the link
-                # is down (an outage), not slow. New connections dialled now would
-                # back off through it and come up seconds after the call resumes.
+            if self._stalled(now):
+                # New connections dialled during an outage would back off through it
+                # and come up seconds after the call resumes.
                 return False
             first, last = self._first, self._last
             if first is None or last is None:
