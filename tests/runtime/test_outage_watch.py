@@ -60,6 +60,12 @@ class World:
             self.clock.now += every_s
             self.count.moved(1000)
 
+    def outage(self, seconds: float) -> None:
+        """The link is down for `seconds` (nothing moves, dials fail), then back."""
+        self.link_up = False
+        self.run(seconds)
+        self.link_up = True
+
     def run(self, seconds: float) -> None:
         """Look at the transfer, as the watch's thread does, for `seconds`."""
         end = self.clock.now + seconds
@@ -115,9 +121,7 @@ def test_a_dial_that_goes_through_only_once_the_link_came_back_replaces_them() -
 def test_a_connection_that_moves_again_as_the_link_comes_back_is_kept() -> None:
     world = World()
     world.chunks(10)
-    world.link_up = False
-    world.run(5)
-    world.link_up = True
+    world.outage(5)
     world.during_dial = lambda: world.count.moved(1000)  # its retransmission got through
     world.run(5)
     assert world.replaced == 0
@@ -137,9 +141,7 @@ def test_after_chunks_move_again_an_old_failed_dial_is_no_evidence() -> None:
     """A failed dial belongs to its stall: once chunks move, the next stall starts over."""
     world = World()
     world.chunks(10)
-    world.link_up = False
-    world.run(3)
-    world.link_up = True
+    world.outage(3)
     world.chunks(5)  # the old connection recovered by itself
     world.watch.look([world.count])
     world.run(10)  # stalled again (the server stopped reading), dials go through
@@ -152,9 +154,7 @@ def test_an_answer_from_the_server_as_the_link_comes_back_keeps_the_connections(
     the upload's next try waits for a slot without moving: no outage's doing."""
     world = World()
     world.chunks(10)
-    world.link_up = False
-    world.run(5)
-    world.link_up = True
+    world.outage(5)
     world.during_wait = world.watch.heard
     world.run(1)
     world.during_wait = lambda: None

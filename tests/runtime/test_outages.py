@@ -115,9 +115,13 @@ def test_a_site_whose_link_fails_mid_upload_rejoins_within_the_grace_and_resumes
     assert not any("grace" in r["reason"] for r in _audit(server, "leave"))  # never dropped
 
 
-@pytest.mark.parametrize("streams", [1, 4], ids=["one-stream", "parallel-streams"])
+@pytest.mark.parametrize(
+    ("streams", "own_connection"),
+    [(1, False), (4, False), (1, True)],
+    ids=["one-stream", "parallel-streams", "own-connection"],
+)
 def test_connections_left_silent_after_an_outage_are_replaced_and_the_upload_resumes(
-    tmp_path, stop_after, pki, streams
+    tmp_path, stop_after, pki, streams, own_connection
 ) -> None:
     """After an outage TCP waits out a retransmission timer that doubled during it, so
     the connections that were sending stay silent past its end (the proxy: for good),
@@ -126,8 +130,12 @@ def test_connections_left_silent_after_an_outage_are_replaced_and_the_upload_res
     is down; the first that goes through after it replaces the session's connections,
     and the upload continues from where the server holds it. Over TLS: a dial goes
     through once its handshake is done, which takes the server's answer (the proxy
-    accepts a connection itself, as a middlebox may)."""
-    server = _server(tmp_path, stop_after, sites=1, grace_s=30.0, timeout_s=30.0, pki=pki)
+    accepts a connection itself, as a middlebox may). With `own_connection` the upload
+    has a connection of its own (as once many sites are connected), replaced too."""
+    own = {"own_upload_connection_sites": 1 if own_connection else 0}
+    server = _server(
+        tmp_path, stop_after, sites=1, grace_s=30.0, timeout_s=30.0, pki=pki, transfers=own
+    )
     proxy = _proxy(server, stop_after)
     update_bytes = server.coordinator.global_model.state.nbytes
     proxy.pause_after_up(update_bytes // 2)
@@ -286,17 +294,24 @@ def test_a_download_from_an_offset_sends_only_the_chunks_after_it(tmp_path, stop
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, stop_after) -> None:
-    """The server may not have noticed the outage yet when the site comes back on a new
-    connection: the rejoin ends the old stream, and its end does not drop the session."""
+def _joined(tmp_path, stop_after) -> tuple[AggregationServer, str, FakeSite]:
+    """A one-round server that keeps a site away for 20 s (a heartbeat timeout longer
+    than a test), its task's fingerprint, and site alpha joined to it."""
     task = TinyTask()
     server = inprocess_server(
         tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 20.0}
     )
     stop_after.append(server)
     fp = task_fingerprint(task)
-    old = FakeSite(server.port, "alpha", fp)
-    stop_after.append(old)
+    site = FakeSite(server.port, "alpha", fp)
+    stop_after.append(site)
+    return server, fp, site
+
+
+def test_a_rejoin_takes_over_a_stream_the_server_still_thought_alive(tmp_path, stop_after) -> None:
+    """The server may not have noticed the outage yet when the site comes back on a new
+    connection: the rejoin ends the old stream, and its end does not drop the session."""
+    server, fp, old = _joined(tmp_path, stop_after)
     first = old.expect("instruction").instruction
     new = FakeSite(server.port, "alpha", fp, resume_token=old.token)
     stop_after.append(new)
@@ -320,14 +335,7 @@ def test_a_stream_ended_to_reconnect_is_kept_for_the_grace_though_the_site_just_
     """A site that replaces its connections (OutageWatch) ends its control stream saying
     so (Heartbeat.reconnecting): where that reaches the server (the old connection was
     not stalled after all) the end is an outage, not a leave, and the site rejoins."""
-    task = TinyTask()
-    server = inprocess_server(
-        tmp_path, task, rounds=1, heartbeat={"interval_s": 0.2, "timeout_s": 30.0, "grace_s": 20.0}
-    )
-    stop_after.append(server)
-    fp = task_fingerprint(task)
-    old = FakeSite(server.port, "alpha", fp)
-    stop_after.append(old)
+    server, fp, old = _joined(tmp_path, stop_after)
     old.expect("instruction")
     old.outbox.put(pb.SiteMessage(heartbeat=pb.Heartbeat(reconnecting=True)))
     old.outbox.put(None)
