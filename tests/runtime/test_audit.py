@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from fake_clock import FakeClock
+
 from fedtrain.runtime.server.audit import (
     MANY_PEERS,
     AuditLog,
@@ -14,15 +16,7 @@ from fedtrain.runtime.server.audit import (
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _log(tmp_path: Path, clock: Clock, **kw: Any) -> AuditLog:
+def _log(tmp_path: Path, clock: FakeClock, **kw: Any) -> AuditLog:
     return AuditLog(tmp_path / "audit.jsonl", RefusalThrottle(window_s=60.0, clock=clock, **kw))
 
 
@@ -31,7 +25,7 @@ def _refused(audit: AuditLog, peer: str, cause: str = "expired") -> bool:
 
 
 def test_a_peer_retrying_for_an_hour_writes_two_records_a_minute_at_most(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     audit = _log(tmp_path, clock)
     heard: list[dict[str, Any]] = []
     audit.subscribe(lambda event, fields: heard.append(dict(fields)))
@@ -51,7 +45,7 @@ def test_a_peer_retrying_for_an_hour_writes_two_records_a_minute_at_most(tmp_pat
 
 
 def test_other_addresses_and_causes_are_recorded_separately(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     audit = _log(tmp_path, clock)
     assert _refused(audit, "ipv4:10.0.0.7:1", "expired")
     assert not _refused(audit, "ipv4:10.0.0.7:2", "expired")
@@ -72,7 +66,7 @@ def test_other_addresses_and_causes_are_recorded_separately(tmp_path: Path) -> N
 
 
 def test_a_peer_rotating_addresses_is_summed_up_past_the_key_limit(tmp_path: Path) -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     audit = _log(tmp_path, clock, max_keys=10)
     for i in range(500):
         _refused(audit, f"ipv4:10.1.{i // 250}.{i % 250}:4000")

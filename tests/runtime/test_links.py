@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_clock import FakeClock
 from runtime_support import FakeSite, TinyTask, inprocess_server
 from slow_link import fast_and_slow
 
@@ -66,14 +67,6 @@ def test_a_transfer_that_moved_nothing_or_no_size_gives_no_estimate_and_no_crash
     assert links.estimate("a", 10 * MB, None) is None  # compressed uploads: size unknown
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_evaluation_and_secure_rounds_do_not_count_as_a_sites_compute(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -84,7 +77,7 @@ def test_evaluation_and_secure_rounds_do_not_count_as_a_sites_compute(
     and only training transfers keep figures from being forgotten."""
     from fedtrain.runtime.server import links as links_module
 
-    clock = Clock()
+    clock = FakeClock(1000.0)
     monkeypatch.setattr(links_module.time, "monotonic", clock)
     links = LinkEstimates()
 
@@ -207,7 +200,7 @@ def test_the_ranges_of_a_download_over_parallel_streams_are_measured_as_one_tran
     skip), and a range's bytes were taken for the model's size."""
     from fedtrain.runtime.server import links as links_module
 
-    clock = Clock()
+    clock = FakeClock(1000.0)
     monkeypatch.setattr(links_module.time, "monotonic", clock)
     links = LinkEstimates()
     for _ in range(8):  # 8 ranges of 2 MB, one a second

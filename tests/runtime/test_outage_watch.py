@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from fake_clock import FakeClock
+
 from fedtrain.runtime.site.outage_watch import (
     DIAL_EVERY_S,
     DIAL_UP_MAX_S,
@@ -16,19 +18,11 @@ from fedtrain.runtime.site.outage_watch import (
 from fedtrain.runtime.site.streams import STALL_S, StreamCount
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class World:
     """A clock, a transfer's count on it, and a server reachable or not."""
 
     def __init__(self) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(100.0)
         self.count = StreamCount(1, 1, adaptive=False, clock=self.clock)
         self.link_up = True
         self.dials: list[float] = []

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from fake_clock import FakeClock
 
 from fedtrain.runtime import wire
 from fedtrain.runtime.site.streams import (
@@ -36,20 +37,9 @@ FLOW = 0.44e6  # one cubic flow at 1% loss and 40 ms, B/s
 LINE = 12.5e6  # 100 Mbit/s
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.lock = threading.Lock()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        with self.lock:
-            self.now += seconds
-
-
-def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], float], nbytes: int):
+def _transfer(
+    count: StreamCount, clock: FakeClock, rate: Callable[[int, float], float], nbytes: int
+):
     """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`; a
     plain call is judged after each chunk (as `CallSwitch` does every POLL_S)."""
     changed_at, streams = 0.0, count.current
@@ -61,7 +51,7 @@ def _transfer(count: StreamCount, clock: Clock, rate: Callable[[int, float], flo
         count.poll(CHUNK)
 
 
-def _auto(clock: Clock, nbytes: int, start: int = 1, limit: int = 64, **options) -> StreamCount:
+def _auto(clock: FakeClock, nbytes: int, start: int = 1, limit: int = 64, **options) -> StreamCount:
     return StreamCount(start, limit, total=nbytes, clock=clock, **options)
 
 
@@ -76,7 +66,7 @@ def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower(
     nothing over 16 but are not slower, and stay (a window cannot tell them apart from
     a gain: measured on a real lossy link 64 move 65% of it, 16 39%); where 64 are
     slower the count goes back to 16, and the next transfer does not try 64 again."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20)
     assert count.alone and not count.parallel  # a plain call first
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
@@ -101,7 +91,7 @@ def test_one_slow_window_right_after_a_step_does_not_take_back_streams_that_paid
     half of 16's rate, and the count went back to 16 (for that transfer and the next
     two); 64 then move as much as 16 here (a real link: more). A second window decides:
     the streams stay. Where they stay slower, the second window takes them back."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20)
 
     def late(k: int, since: float) -> float:
@@ -121,7 +111,7 @@ def test_a_descent_keeps_fewer_streams_only_if_a_second_window_agrees() -> None:
     """Right after a descent the streams left read as fast as all of them (their chunks
     in flight land together), then move less: the second window takes the count back
     up for good instead of stepping further down."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20, 64, descend=True)
 
     def fewer_look_fast(k: int, since: float) -> float:
@@ -142,7 +132,7 @@ def test_on_a_narrow_clean_link_a_modest_gain_does_not_mark_more_streams_as_payi
     the next round). Only a step that multiplies the rate (PAID_GAIN) marks it: 64 are
     taken back to 16 (each time they are probed again), where the next transfer starts."""
     link = 2e6
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 80 << 20)  # (a window at 64 takes 16 MB)
     clock.advance(DECIDE_S)
     assert count.poll(4 << 20) and count.current == GROWTH  # cut unmeasured
@@ -166,7 +156,7 @@ def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -
     """More streams lost rate while the server was busy with other sites (four flows'
     worth for it, two when more came); once their transfers end, the next probe finds
     the gain."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 56 << 20)
     _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 16 << 20)
     assert count.tried == [1, 4, 16, 4] and count.settled
@@ -177,7 +167,7 @@ def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -
 
 def test_on_a_clean_link_a_plain_call_is_never_cut() -> None:
     """One flow fills the link and the 40 MB are soon moved: no second stream."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20)
     _transfer(count, clock, lambda k, _: LINE, 40 << 20)
     assert count.tried == [1] and count.alone and count.next_start() == (1, None)
@@ -187,7 +177,7 @@ def test_a_fast_transfer_is_over_before_it_is_judged() -> None:
     """400 MB on loopback (~1 GB/s): one plain call, never judged, never cut; at a fifth
     of that it is judged, and soon done."""
     for rate in (1e9, 2e8):
-        clock = Clock()
+        clock = FakeClock()
         count = _auto(clock, 400 << 20)
         _transfer(count, clock, lambda k, _, rate=rate: rate, 400 << 20)
         assert count.tried == [1] and count.alone
@@ -197,7 +187,7 @@ def test_a_plain_call_whose_chunks_take_seconds_switches_unmeasured() -> None:
     """A lossy link's single flow and the server's 4 MiB chunks: not one has arrived by
     DECIDE_S, and even counting the one in flight as moved the rest would take far
     longer than SWITCH_S: the call is cut for four streams at once."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20)
     clock.advance(DECIDE_S - 0.1)
     assert not count.poll(4 << 20)
@@ -211,7 +201,7 @@ def test_a_plain_call_whose_chunks_stop_coming_is_stalled_not_slow_and_is_not_cu
     cut for more streams then, their connections were dialled into the outage and came
     up seconds after it (a 10 s cut mid-download cost 18 s). Stalled, it waits; once
     chunks come again it is judged as before."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20)
     for _ in range(3):
         clock.advance(0.35)
@@ -237,7 +227,7 @@ def test_a_call_cut_before_it_was_measured_proves_nothing_more_streams_must_gain
     and has no history of more streams paying. On a lossy link the step 4 -> 16 is
     measured to pay, and the memory carries that to the next transfer and the other
     direction, where 64 then stay unless slower."""
-    clock = Clock()
+    clock = FakeClock()
     memory = StreamMemory()
     clean = memory.plan(0, 100 << 20, "down")
     clean._clock, clean._changed_at = clock, 0.0
@@ -257,7 +247,7 @@ def test_a_call_cut_before_it_was_measured_proves_nothing_more_streams_must_gain
 
 
 def test_a_plain_call_that_waited_for_its_go_ahead_is_judged_from_then() -> None:
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20)
     clock.advance(10.0)  # the server's transfer slots were all taken
     count.began()
@@ -268,7 +258,7 @@ def test_on_a_clean_link_streams_that_gain_nothing_go_and_the_next_call_stays_pl
     """A transfer long enough to be worth a probe (400 MB at 100 Mbit/s): four streams
     move no more than one; the rest goes on one stream, and the next transfers are one
     plain call while they move about as fast, probed again once slower."""
-    clock = Clock()
+    clock = FakeClock()
     first = _auto(clock, 400 << 20)
     _transfer(first, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 400 << 20)
     assert first.tried[:3] == [1, 4, 1] and first.current == 1
@@ -286,7 +276,7 @@ def test_on_a_clean_link_streams_that_gain_nothing_go_and_the_next_call_stays_pl
 def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_download_did() -> (
     None
 ):
-    clock = Clock()
+    clock = FakeClock()
     memory = StreamMemory()
     first = memory.plan(0, 100 << 20, "down")
     assert first.alone
@@ -305,7 +295,7 @@ def test_a_link_that_got_clean_sheds_its_streams_and_its_transfers_become_plain_
     """Remembered at 16 streams, on a link one flow now fills (and no step measured to
     pay, so 64 are taken back): one transfer in DESCEND_EVERY steps down while fewer
     move as much, to one; the next is a plain call."""
-    clock = Clock()
+    clock = FakeClock()
     memory = StreamMemory()
     memory._last["up"] = (16, None)
     for _ in range(DESCEND_EVERY - 1):  # these start at 16 and stay there (no gain at 64)
@@ -327,7 +317,7 @@ def test_only_a_transfer_with_room_to_judge_a_descent_starts_one() -> None:
     """At 64 streams a 40 MB upload (256 KiB chunks: 16 MB for a window at 64) cannot
     judge a descent, and stays at 64; a 40 MB download (64 KiB range chunks) can, and
     sheds streams on a link one flow fills."""
-    clock = Clock()
+    clock = FakeClock()
     memory = StreamMemory()
     for direction in ("up", "down"):
         memory._last[direction] = (64, None)
@@ -345,7 +335,7 @@ def test_only_a_transfer_with_room_to_judge_a_descent_starts_one() -> None:
 
 def test_a_descent_that_loses_goes_back_up_for_good() -> None:
     """On a lossy link a quarter of the streams move a quarter as much: back to 16."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 24 << 20, 16, descend=True)
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 24 << 20)
     assert count.tried == [16, 4, 16] and count.current == 16
@@ -356,7 +346,7 @@ def test_a_descent_keeps_its_streams_unless_fewer_move_as_much() -> None:
     """16 streams read 10% below 64: a step up would stay (within SLOWER), but a
     descent comes back up to 64: on a lossy link too few streams cost most of its rate;
     a descent cut short by the transfer's end starts the next transfer at 64 too."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20, 64, descend=True)
     _transfer(count, clock, lambda k, _: LINE * (0.9 if k < 64 else 1.0), 100 << 20)
     assert count.tried == [64, 16, 64] and count.current == 64 and count.settled
@@ -369,7 +359,7 @@ def test_a_descent_keeps_its_streams_unless_fewer_move_as_much() -> None:
 def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     """The streams just added move nothing for most of the warm-up (handshake, slow
     start): measured from the change on, four streams would look no better than one."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20, limit=16)
 
     def rate(k: int, since: float) -> float:
@@ -381,7 +371,7 @@ def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
 
 def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
     """At ~0.6 s a chunk, a window of MEASURE_S would hold one chunk or none."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 40 << 20)
     slow = 0.4e6
     _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
@@ -395,7 +385,7 @@ def test_a_window_holds_about_a_chunk_per_stream() -> None:
     """A chunk arrives whole: with 16 streams, 4 chunks that land together right after
     the warm-up (streams started together finish their first ones together) would read
     as a rate four times the link's; the window waits for one chunk per stream."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20, 16)
     clock.advance(WARMUP_S)
     count.moved(CHUNK)  # the window opens
@@ -411,7 +401,7 @@ def test_a_window_holds_about_a_chunk_per_stream() -> None:
 def test_what_moves_once_every_range_is_handed_out_changes_no_count() -> None:
     """At a transfer's end its streams run out of ranges one by one: the rate falls, and
     the count that moved it must not be taken for slower."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 8 << 20, 4, paid=True)
     cutter = RangeCutter.over_download(0, 8 << 20)
     _transfer(count, clock, lambda k, _: k * FLOW, 4 << 20)  # 4 -> 16 paid
@@ -427,7 +417,7 @@ def test_a_transfer_over_mid_step_starts_the_next_at_that_step_unless_the_call_w
     """Ended before 64 streams were measured, after 16 paid: the next starts at 64 (it
     would be kept unless slower); ended before 4 were measured against a plain call:
     the next is a plain call."""
-    clock = Clock()
+    clock = FakeClock()
     count = _auto(clock, 100 << 20, 4)
     _transfer(count, clock, lambda k, _: k * FLOW, 12 << 20)
     assert count.tried == [4, 16, 64] and not count.settled
@@ -439,7 +429,7 @@ def test_a_transfer_over_mid_step_starts_the_next_at_that_step_unless_the_call_w
 
 
 def test_a_fixed_count_and_one_started_at_the_limit_never_change() -> None:
-    clock = Clock()
+    clock = FakeClock()
     for count in (StreamCount(8, 8, adaptive=False, clock=clock), StreamCount(64, 64, clock=clock)):
         _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)
         assert count.tried == [count.current] and count.settled
@@ -515,7 +505,7 @@ def test_while_the_count_may_grow_ranges_are_cut_for_its_limit() -> None:
 
 
 def test_streams_added_while_a_transfer_runs_take_ranges_and_every_byte_goes_once() -> None:
-    clock = Clock()
+    clock = FakeClock()
     count = StreamCount(2, 8, clock=clock)  # (ranges from the start: a count remembered)
     total = 64 << 20
     cutter = RangeCutter.over_chunks([CHUNK] * (total // CHUNK))
@@ -560,7 +550,7 @@ def test_streams_a_descent_retired_start_again_when_the_count_comes_back_up() ->
     """A descent on a lossy link: 4 streams -> 1 (a quarter as fast) -> 4 again; the
     three the descent retired take ranges again (before, a retired stream's lanes were
     counted as running and never started again)."""
-    clock = Clock()
+    clock = FakeClock()
     count = StreamCount(4, 16, total=64 << 20, descend=True, clock=clock)
     cutter = RangeCutter.over_chunks([CHUNK] * (256))
     used: list[tuple[int, int]] = []  # (stream, count.tried's length when it took it)

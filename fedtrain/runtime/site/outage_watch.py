@@ -12,9 +12,9 @@ While every transfer of the session is stalled (`StreamCount.stalled`: chunks ca
 then none for far longer than any wait so far), the watch dials the server on a
 connection of its own. A dial that fails, or takes long, says the link was down; once
 one goes through while the transfers are still stalled, the link is back and their
-connections are not: the session's connections are replaced (the daemon rejoins its session, and
-each transfer continues from where the server holds it: at most a chunk per stream
-moves again). A stall while dials go through (a busy server, not an outage) replaces
+connections are not: the session's connections are replaced (the daemon rejoins its
+session, and each transfer continues from where the server holds it: at most a chunk
+per stream moves again). A stall while dials go through (a busy server, not an outage) replaces
 nothing, and is dialled ever less often, since a dial that goes through costs the
 server a handshake.
 """
