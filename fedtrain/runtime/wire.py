@@ -90,6 +90,14 @@ MAX_TRANSFER_STREAMS = 64
 #: finished one by one (64 fixed streams: 65% of line rate -> 69%, RESULTS "Finer
 #: download ranges"). A ranged download costs the server 4x the messages of 256 KiB ones.
 RANGE_CHUNK_BYTES = 64 * 1024
+#: A plain model download at least this large (one the site may cut for parallel
+#: streams: site/streams.py PROBE_MIN_BYTES) sends the chunks that start in its first
+#: HEAD_BYTES in RANGE_CHUNK_BYTES pieces, the rest in the server's chunk_bytes: a chunk
+#: arrives whole, and a lossy link's single flow (~0.4 MB/s at 1% loss and 40 ms) moves
+#: no 4 MiB chunk in the second the site judges its call in, so it could only bound the
+#: call's rate (RESULTS, "A plain download's first bytes in small pieces").
+PROBE_MIN_BYTES = 4 << 20
+HEAD_BYTES = 4 << 20
 #: Ranges one upload may be cut into (a few per stream, so that fast streams take more):
 #: more are refused, so that one site cannot make the server track thousands.
 MAX_UPLOAD_RANGES = 256
@@ -196,6 +204,25 @@ def chunks_between(chunks: Iterable[Chunk], start: int, end: int) -> Iterator[Ch
         if position > end:
             raise ProtocolError(f"byte {end} of this upload is not a chunk boundary")
         yield chunk
+
+
+def cut_chunks(chunks: Iterable[Chunk], size: int, until: int | None = None) -> Iterator[Chunk]:
+    """`chunks`, those that start before byte `until` (None: all) cut into pieces of at
+    most `size` bytes (whole elements): the same bytes in the same order, and every
+    chunk's end is a piece's end, so a transfer cut or resumed at any piece continues
+    in ranges or another call (a download's range gets the pieces that start in it)."""
+    position = 0
+    for chunk in chunks:
+        nbytes = len(chunk.data)
+        itemsize = chunk.spec.itemsize
+        step = max(itemsize, size - size % itemsize)
+        if (until is not None and position >= until) or nbytes <= step:
+            yield chunk
+        else:
+            for start in range(0, nbytes, step):
+                data = chunk.data[start : start + step]
+                yield Chunk(chunk.name, chunk.dtype, chunk.shape, chunk.offset + start, data)
+        position += nbytes
 
 
 def chunk_ranges(sizes: Iterable[int], count: int) -> list[tuple[int, int]]:

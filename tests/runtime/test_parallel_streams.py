@@ -471,7 +471,8 @@ def test_a_slow_upload_is_cut_from_one_call_to_ranges_and_the_next_starts_where_
     assert moved["downloaded"] == [[1], [1]], moved
     first, second = moved["uploaded"]
     # (where the first ended mid-probe, the second starts at its best measured count)
-    assert first[:2] == [1, 4] and second[0] > 1 and second[0] in first, moved
+    # (measured from the call's first, smaller chunks, it steps as far as its rate says)
+    assert first[0] == 1 and len(first) > 1 and second[0] > 1 and second[0] in first, moved
     single = _flat_run(tmp_path / "one", stop_after, 1, num_params=size)
     assert cut.equal(single)
 
@@ -482,7 +483,8 @@ def test_a_slow_download_is_cut_for_ranges_and_the_first_upload_starts_from_its_
     tmp_path, stop_after, caplog
 ) -> None:
     """Flows of 0.5 MB/s both ways (a lossy link): the first download is cut from one
-    call to ranges and its count grows; the first upload, with no count of its own yet,
+    call to ranges over more streams (measured from the server's small first pieces, as
+    many as its rate says: 16); the first upload, with no count of its own yet,
     starts at the download's, and the second download at the first's (not half of it).
     A clean link one flow fills (3 MB/s shared by all connections): every transfer is
     one plain call. Either way the run ends with the model of one plain stream."""
@@ -490,7 +492,7 @@ def test_a_slow_download_is_cut_for_ranges_and_the_first_upload_starts_from_its_
     lossy = _flat_run(tmp_path / "lossy", stop_after, 0, num_params=BIG, link=_paced(0.5e6, 0.5e6))
     moved = _transfers(caplog.text)
     (down1, down2), (up1, _) = moved["downloaded"], moved["uploaded"]
-    assert down1[:2] == [1, 4] and down1[-1] > 1, moved
+    assert down1[0] == 1 and down1[-1] > 1, moved
     assert up1[0] == down1[-1] and down2[0] == down1[-1], moved
     caplog.clear()
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import torch
 from fake_clock import FakeClock
 
 from fedtrain.runtime import wire
@@ -28,9 +29,11 @@ from fedtrain.runtime.site.streams import (
     RangeCutter,
     StreamCount,
     StreamMemory,
+    UpdateChunks,
     descent_room,
     run_ranges,
 )
+from fedtrain.tensors import ModelState
 
 CHUNK = 256 * 1024
 FLOW = 0.44e6  # one cubic flow at 1% loss and 40 ms, B/s
@@ -38,21 +41,33 @@ LINE = 12.5e6  # 100 Mbit/s
 
 
 def _transfer(
-    count: StreamCount, clock: FakeClock, rate: Callable[[int, float], float], nbytes: int
+    count: StreamCount,
+    clock: FakeClock,
+    rate: Callable[[int, float], float],
+    nbytes: int,
+    chunk: int = CHUNK,
 ):
     """Move `nbytes` in chunks at `rate(streams, seconds since the count changed)`; a
     plain call is judged after each chunk (as `CallSwitch` does every POLL_S)."""
     changed_at, streams = 0.0, count.current
-    for _ in range(nbytes // CHUNK):
+    for _ in range(nbytes // chunk):
         if count.current != streams:
             changed_at, streams = clock.now, count.current
-        clock.advance(CHUNK / rate(streams, clock.now - changed_at))
-        count.moved(CHUNK)
-        count.poll(CHUNK)
+        clock.advance(chunk / rate(streams, clock.now - changed_at))
+        count.moved(chunk)
+        count.poll(chunk)
 
 
 def _auto(clock: FakeClock, nbytes: int, start: int = 1, limit: int = 64, **options) -> StreamCount:
     return StreamCount(start, limit, total=nbytes, clock=clock, **options)
+
+
+def _cut_unmeasured(count: StreamCount, clock: FakeClock) -> None:
+    """A plain call cut at DECIDE_S before its first 4 MiB chunk arrived (from a server
+    that sends no small first pieces, or an upload whose chunks are not cut finer):
+    nothing says how fast one flow is, so the count steps GROWTH at a time."""
+    clock.advance(DECIDE_S + 0.01)
+    assert count.poll(4 << 20) and count.current == GROWTH
 
 
 def _overflowing(k: int, _: float) -> float:
@@ -69,10 +84,12 @@ def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower(
     clock = FakeClock()
     count = _auto(clock, 100 << 20)
     assert count.alone and not count.parallel  # a plain call first
+    _cut_unmeasured(count, clock)
     _transfer(count, clock, lambda k, _: min(k * FLOW, LINE * 0.6), 100 << 20)
     assert count.tried == [1, 4, 16, 64] and count.settled
     assert count.next_start() == (64, None)
     slower = _auto(clock, 100 << 20)
+    _cut_unmeasured(slower, clock)
     _transfer(slower, clock, _overflowing, 100 << 20)
     assert slower.tried[:5] == [1, 4, 16, 64, 16]
     assert set(slower.tried[5:]) <= {16, 64}  # probed again now and then: still slower
@@ -82,6 +99,7 @@ def test_on_a_lossy_link_streams_multiply_while_they_pay_and_stay_unless_slower(
     _transfer(following, clock, _overflowing, 20 << 20)
     assert following.tried == [16]
     full = _auto(clock, 200 << 20)  # a link 64 flows do not fill: all 64 stay
+    _cut_unmeasured(full, clock)
     _transfer(full, clock, lambda k, _: k * FLOW, 200 << 20)
     assert full.tried == [1, 4, 16, 64] and full.settled
 
@@ -99,10 +117,12 @@ def test_one_slow_window_right_after_a_step_does_not_take_back_streams_that_paid
             return min(k * FLOW, 16 * FLOW)
         return 16 * FLOW * (0.5 if since < 5.5 else 1.0)  # slow for its first window
 
+    _cut_unmeasured(count, clock)
     _transfer(count, clock, late, 100 << 20)
     assert count.tried == [1, 4, 16, 64] and count.settled and count.current == 64
     assert count.next_start() == (64, None)
     slower = _auto(clock, 100 << 20)
+    _cut_unmeasured(slower, clock)
     _transfer(slower, clock, _overflowing, 60 << 20)  # 64 stay at half of 16
     assert slower.tried[:5] == [1, 4, 16, 64, 16]
 
@@ -158,7 +178,8 @@ def test_a_count_that_stopped_growing_is_probed_again_and_grows_once_it_pays() -
     the gain."""
     clock = FakeClock()
     count = _auto(clock, 56 << 20)
-    _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 16 << 20)
+    _cut_unmeasured(count, clock)
+    _transfer(count, clock, lambda k, _: (min(k, 4) if k <= 4 else 2) * FLOW, 14 << 20)
     assert count.tried == [1, 4, 16, 4] and count.settled
     _transfer(count, clock, lambda k, _: k * FLOW, 40 << 20)  # the others are done
     assert count.tried[4:] == [16, 64] and count.current == 64
@@ -194,6 +215,32 @@ def test_a_plain_call_whose_chunks_take_seconds_switches_unmeasured() -> None:
     clock.advance(0.1)
     assert count.poll(4 << 20) and count.parallel and count.current == GROWTH
     assert not count.poll(4 << 20)  # once
+
+
+def test_a_call_measured_slow_steps_at_once_to_the_streams_that_would_finish_it() -> None:
+    """A lossy link's single flow, measured from the server's small first pieces
+    (wire.HEAD_BYTES): at its rate 4 streams would still take 22 s for the rest, 16 6 s,
+    so the call is cut for 64 at once, within a second (not three steps of a window each), and their
+    window, 27 times the call's rate, marks the link flow-limited. A narrow link one flow
+    fills steps as far (16), reads no faster there, and goes back to one call, with
+    whose rate the next transfer stays one call."""
+    piece = wire.RANGE_CHUNK_BYTES
+    clock = FakeClock()
+    lossy = _auto(clock, 40 << 20)
+    while not lossy.poll(piece):
+        clock.advance(piece / FLOW)
+        lossy.moved(piece)
+    assert lossy.tried == [1, 64] and clock.now < DECIDE_S
+    _transfer(lossy, clock, lambda k, _: min(k * FLOW, LINE * 0.95), 30 << 20, piece)
+    assert lossy.tried == [1, 64] and lossy.settled and lossy.paid
+    assert lossy.rates[0] == pytest.approx(FLOW)
+    assert lossy.next_start() == (64, None)
+    narrow = _auto(clock, 40_000_000)
+    _transfer(narrow, clock, lambda k, _: 1.25e6, 6 << 20, piece)
+    assert narrow.tried == [1, 16, 1] and not narrow.paid
+    start, known = narrow.next_start()
+    assert start == 1 and known == pytest.approx(1.25e6)
+    _cut_unmeasured(_auto(clock, 40 << 20), clock)  # no chunk yet: a step of GROWTH
 
 
 def test_a_plain_call_whose_chunks_stop_coming_is_stalled_not_slow_and_is_not_cut() -> None:
@@ -261,7 +308,9 @@ def test_on_a_clean_link_streams_that_gain_nothing_go_and_the_next_call_stays_pl
     clock = FakeClock()
     first = _auto(clock, 400 << 20)
     _transfer(first, clock, lambda k, _: LINE * (0.95 if k > 1 else 1.0), 400 << 20)
-    assert first.tried[:3] == [1, 4, 1] and first.current == 1
+    # (measured, the call steps as far as its rate says, 64: at 16 flows' worth the rest
+    # would take 2.1 s; one window there, and back)
+    assert first.tried[:3] == [1, 64, 1] and first.current == 1
     start = first.next_start()
     assert start == (1, pytest.approx(LINE))
     second = _auto(clock, 400 << 20, start[0], known=start[1])
@@ -270,7 +319,7 @@ def test_on_a_clean_link_streams_that_gain_nothing_go_and_the_next_call_stays_pl
     assert second.tried == [1] and second.next_start() == (1, pytest.approx(LINE))
     slower = _auto(clock, 40 << 20, known=LINE)  # the link turned lossy
     _transfer(slower, clock, lambda k, _: k * FLOW, 40 << 20)
-    assert slower.tried[:3] == [1, 4, 16]
+    assert slower.tried == [1, 64]  # (16 flows' worth: 6 s for the rest)
 
 
 def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_download_did() -> (
@@ -282,6 +331,7 @@ def test_the_next_transfer_starts_where_this_one_stayed_and_an_upload_where_its_
     assert first.alone
     first._clock = clock  # (the fake clock from here on)
     first._changed_at = 0.0
+    _cut_unmeasured(first, clock)
     _transfer(first, clock, _overflowing, 100 << 20)
     assert first.tried[:5] == [1, 4, 16, 64, 16]  # (then 64 re-probed now and then)
     memory.ended("down", first)
@@ -365,6 +415,7 @@ def test_a_new_connections_slow_start_is_not_taken_for_no_gain() -> None:
     def rate(k: int, since: float) -> float:
         return FLOW * (k if since >= WARMUP_S * 0.9 else k // GROWTH or 1)
 
+    _cut_unmeasured(count, clock)
     _transfer(count, clock, rate, 40 << 20)
     assert count.tried == [1, 4, 16] and count.settled  # the limit
 
@@ -377,7 +428,7 @@ def test_a_slow_stream_is_measured_over_several_chunks_not_one() -> None:
     _transfer(count, clock, lambda k, _: slow, 2 * CHUNK)
     assert count.tried == [1]  # still measuring: too few chunks to tell
     _transfer(count, clock, lambda k, _: slow, 4 * CHUNK)
-    assert count.tried == [1, GROWTH]
+    assert count.tried == [1, 64]  # (at 16 flows' worth the rest would take 6 s)
     assert clock.now > WARMUP_S + MEASURE_S
 
 
@@ -424,8 +475,29 @@ def test_a_transfer_over_mid_step_starts_the_next_at_that_step_unless_the_call_w
     assert count.next_start() == (64, None)
     plain = _auto(clock, 40 << 20)
     _transfer(plain, clock, lambda k, _: FLOW, 2 << 20)
-    assert plain.tried == [1, GROWTH] and plain.rates[0] > 0 and not plain.settled
+    assert plain.tried == [1, 64] and plain.rates[0] > 0 and not plain.settled
     assert plain.next_start() == (1, None)
+
+
+def test_a_step_the_transfers_end_cut_short_is_judged_over_all_it_moved() -> None:
+    """6 MB at 0.5 MB/s a flow: the call, measured, is cut for 16 streams, and the last
+    range is handed out before their window ends; counted from the step (warm-up and
+    all) they moved 16 times the call's rate: they paid, and the next transfer starts
+    at 16, not as one call probed again."""
+    piece, flow, total = wire.RANGE_CHUNK_BYTES, 0.5e6, 6 << 20
+    clock = FakeClock()
+    count = _auto(clock, total)
+    while not count.poll(piece):
+        clock.advance(piece / flow)
+        count.moved(piece)
+    assert count.tried == [1, 16]
+    cutter = RangeCutter.over_download(count.moved_bytes, total)
+    while (byte_range := cutter.take(count, want=1e9)) is not None:
+        size = byte_range[1] - byte_range[0]
+        clock.advance(size / (16 * flow))
+        count.moved(size)
+    assert count.tried == [1, 16] and count.paid and count.rates[-1] > PAID_GAIN * flow
+    assert count.next_start() == (16, None)
 
 
 def test_a_fixed_count_and_one_started_at_the_limit_never_change() -> None:
@@ -445,6 +517,30 @@ def test_an_uploads_ranges_end_at_chunks_and_stay_within_what_the_server_accepts
     assert all(end in ends for _, end in ranges)
     assert ranges[0][0] == 0 and ranges[-1][1] == sum(sizes)
     assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+
+
+def test_a_plain_uploads_first_bytes_go_in_range_chunks_that_end_where_its_chunks_do() -> None:
+    """A plain call the automatic count judges sends its first HEAD_BYTES in ranges'
+    chunks (a slow link's single flow moves no 4 MiB chunk in the second it is judged
+    in), the rest whole; a call cut or resumed at any of them continues in ranges or
+    another call from there. Chunks that ranges' do not cut go as they are."""
+    state = ModelState({"b": torch.ones(10), "w": torch.arange(3_000_000, dtype=torch.float32)})
+    update = UpdateChunks(state.chunks, 4 << 20)
+    headed = update.with_head()
+    sizes = headed.sizes()
+    head = 1 + (4 << 20) // PARALLEL_CHUNK_BYTES  # the bias, then 4 MiB in 256 KiB
+    assert sizes[:head] == [40] + [PARALLEL_CHUNK_BYTES] * (head - 1)
+    assert sizes[head:] == [4 << 20, 12_000_040 - 40 - (8 << 20)]
+    assert set(itertools.accumulate(sizes)) <= set(
+        itertools.accumulate(update.for_ranges().sizes())
+    )
+    whole = b"".join(bytes(c.data) for c in update())
+    assert b"".join(bytes(c.data) for c in headed()) == whole
+    resumed = b"".join(bytes(c.data) for c in headed.between(40 + 3 * PARALLEL_CHUNK_BYTES, None))
+    assert resumed == whole[40 + 3 * PARALLEL_CHUNK_BYTES :]
+    assert headed.in_flight(0) == PARALLEL_CHUNK_BYTES and headed.in_flight(8 << 20) == 4 << 20
+    odd = UpdateChunks(state.chunks, 1_000_000)  # no multiple of ranges' chunks
+    assert odd.with_head() is odd and odd.in_flight(0) == 1_000_000
 
 
 def test_a_downloads_ranges_never_shrink_below_the_servers_range_pieces() -> None:

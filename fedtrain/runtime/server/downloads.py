@@ -77,19 +77,23 @@ class SharedDownloads:
         the server's current global model, the only one encoded and shared (an older
         FedBuff version travels as itself, chunked per download); `held`: the reference
         version the site says it holds; `run`: runs a function on the CPU pool;
-        `ranged`: for one of parallel streams, in chunks of `wire.RANGE_CHUNK_BYTES`
-        (the same bytes in the same order, cut finer, so that there are enough ranges)."""
-        size = min(self.chunk_bytes, wire.RANGE_CHUNK_BYTES) if ranged else self.chunk_bytes
+        `ranged`: for one of parallel streams, in pieces of `wire.RANGE_CHUNK_BYTES`
+        (the same bytes in the same order, cut finer, so that there are enough ranges);
+        else in chunks of chunk_bytes, but for a download the site may cut for parallel
+        streams, whose first `wire.HEAD_BYTES` come in those pieces (the site measures
+        its call's rate from them)."""
         if not current:
             plain = Download(model.version, model.state)
-            return self._manifest(model, plain), _Chunked(model.state, size)
+            pieces = _Chunked(lambda: self._chunks(model.state, ranged))
+            return self._manifest(model, plain), pieces
         if model.version != self._version:  # a new global model: the last one's encodings go
             self._version = model.version
             self._made.clear()
         download = await self._download(model, encoded, held, run)
         key = (model.version, download.codec, download.base, str(download.reference))
         parts = download.parts
-        pieces = await self._once((*key, "pieces", str(size)), run, self._pieces, parts, size)
+        kind = "ranged" if ranged else "plain"
+        pieces = await self._once((*key, "pieces", kind), run, self._pieces, parts, ranged)
         # (once too: parallel streams ask for the manifest with every range)
         manifest = await self._once((*key, "manifest"), run, self._manifest, model, download)
         return manifest, pieces
@@ -117,10 +121,18 @@ class SharedDownloads:
         if (future.cancelled() or future.exception() is not None) and self._made.get(key) is future:
             del self._made[key]
 
-    def _pieces(self, parts: ModelState, size: int) -> Pieces:
+    def _pieces(self, parts: ModelState, ranged: bool) -> Pieces:
         if parts.nbytes > SHARED_DOWNLOAD_BYTES:
-            return _Chunked(parts, size)
-        return _Encoded([(wire.encode_chunk_message(c), len(c.data)) for c in parts.chunks(size)])
+            return _Chunked(lambda: self._chunks(parts, ranged))
+        chunks = self._chunks(parts, ranged)
+        return _Encoded([(wire.encode_chunk_message(c), len(c.data)) for c in chunks])
+
+    def _chunks(self, parts: ModelState, ranged: bool) -> Iterator[Chunk]:
+        """What a download of `parts` sends: for parallel streams every chunk in range
+        pieces; else those in the first HEAD_BYTES of a download the site may cut."""
+        head = 0 if parts.nbytes < wire.PROBE_MIN_BYTES else wire.HEAD_BYTES
+        until = None if ranged else head
+        return wire.cut_chunks(parts.chunks(self.chunk_bytes), wire.RANGE_CHUNK_BYTES, until)
 
     def _advance(self, model: GlobalModel) -> tuple[Download | None, Download]:
         """Move the reference track to `model`: (the change from the previous reference,
@@ -180,9 +192,8 @@ class _Chunked(Pieces):
     """A large encoding's chunks, made afresh (as views) for every download (nothing to
     index: a range walks the views before it)."""
 
-    def __init__(self, parts: ModelState, chunk_bytes: int) -> None:
-        self.parts = parts
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, chunks: Callable[[], Iterator[Chunk]]) -> None:
+        self.chunks = chunks
 
     def __iter__(self) -> Iterator[tuple[bytes | Chunk, int]]:
-        return ((c, len(c.data)) for c in self.parts.chunks(self.chunk_bytes))
+        return ((c, len(c.data)) for c in self.chunks())

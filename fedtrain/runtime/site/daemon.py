@@ -1086,7 +1086,8 @@ class SiteDaemon:
         watched, and cut where it stands once more streams should take over
         (`CallSwitch`): the rest then comes in ranges."""
         received = 0
-        with CallSwitch(count, link.chunk_bytes) as switch:
+        piece = functools.partial(_plain_piece, link.chunk_bytes, count.total)
+        with CallSwitch(count, piece) as switch:
             for chunk in self._resumed(
                 link, deadline_unix, manifest, pieces, request, switch=switch
             ):
@@ -1273,7 +1274,10 @@ class SiteDaemon:
         """An upload as one call, which the automatic `count` may cut: the rest then
         goes in ranges over more streams."""
         shared = SharedUpload()
-        in_flight = chunks.chunk_bytes if isinstance(chunks, UpdateChunks) else 0
+        in_flight: int | Callable[[int], int] = 0
+        if isinstance(chunks, UpdateChunks):
+            chunks = chunks.with_head() if count.alone else chunks
+            in_flight = chunks.in_flight
         if own_connection:
             log.debug("round %d: uploading on a connection of its own", header.round)
         try:
@@ -1466,6 +1470,15 @@ def _counted(chunks: Iterator[Chunk], moved: Callable[[int], None]) -> Iterator[
     for chunk in chunks:
         moved(len(chunk.data))
         yield chunk
+
+
+def _plain_piece(chunk_bytes: int, total: int, received: int) -> int:
+    """The size of the piece a plain download is moving after `received` bytes: the
+    server cuts those in the first wire.HEAD_BYTES of a download the site may cut into
+    range pieces, the rest are its chunk_bytes."""
+    if total >= PROBE_MIN_BYTES and received < wire.HEAD_BYTES:
+        return min(chunk_bytes, wire.RANGE_CHUNK_BYTES)
+    return chunk_bytes
 
 
 def _download_chunks(pieces: Iterator[Any]) -> Iterator[Chunk]:

@@ -99,7 +99,8 @@ LANES = 2
 PARALLEL_CHUNK_BYTES = 256 * 1024
 #: The automatic choice probes more streams only for transfers at least this large: a
 #: smaller one is over before a probe could tell (and costs a connection for nothing).
-PROBE_MIN_BYTES = 4 << 20
+#: (The server sends such a download's first bytes in small pieces: wire.HEAD_BYTES.)
+PROBE_MIN_BYTES = wire.PROBE_MIN_BYTES
 #: After the count of streams changes, the rate is measured only from this long on: a
 #: new connection's handshake (with TLS its join) and slow start are not "no gain".
 WARMUP_S = 0.5
@@ -123,9 +124,18 @@ GROWTH = 4
 #: A plain call that reaches this share of the rate one stream had in the previous
 #: transfer (when more streams gained nothing) does not switch: the link is as it was.
 AS_BEFORE = 0.8
-#: A plain call is judged once it has run this long: a fast link (a LAN, loopback) is
-#: done by then, or close to it, and never sees a second connection.
+#: A plain call is judged unmeasured once it has run this long: a fast link (a LAN,
+#: loopback) is done by then, or close to it, and never sees a second connection.
 DECIDE_S = 1.2
+#: A plain call's rate counts from its first chunk past this on (not the request's
+#: round trip, nor the start of slow start, which on a clean 40 ms link reaches the
+#: line rate in ~0.2 s), over at least this long and MEASURE_CHUNKS chunks: shorter than
+#: a window of streams (a measured call is judged as soon as this says its rate, and
+#: at 1% loss every 0.1 s of it is 0.1 s at 5% of what 64 streams move; the server's
+#: small first pieces, wire.HEAD_BYTES, give it its chunks), long enough that a
+#: clean link's call reads far above what would have it cut.
+CALL_WARMUP_S = 0.2
+CALL_MEASURE_S = 0.5
 #: ...and switches to ranges over more streams when at its rate the rest would still
 #: take longer than this: long enough to pay for a probe step (~1.2 s at partial rate),
 #: so that a clean link's single flow, which would gain nothing, is left alone.
@@ -134,6 +144,12 @@ SWITCH_S = 5.0
 #: chunks at its rate's upper bound) switches unmeasured: a lossy link's single flow
 #: moves a 4 MiB chunk in seconds, and it is not worth waiting for.
 MEASURE_LIMIT_S = 2.0
+#: A plain call measured slow and cut steps to the count at which, if every stream moved
+#: what the call did, the rest would take at most this long (flows add up until they
+#: fill the link; on a link one flow fills the step reads no faster, and is taken back
+#: after its window): at 1% loss a call moves 0.4-0.9 MB/s, and 40 MB go over 64
+#: streams at once, not after steps to 4 and 16 of a window each (RESULTS, stop 31).
+FIRST_STEP_S = 2.0
 #: A plain call whose chunks stopped coming for longer than this, and STALL_WAITS times
 #: its longest wait for one so far, is stalled (its link is down), not slow: it is not
 #: cut for more streams, it resumes when the link is back (a 10 s outage mid-download
@@ -178,20 +194,27 @@ class UpdateChunks:
         pieces: Callable[[int], Iterator[Chunk]],
         chunk_bytes: int,
         convert: Callable[[Chunk], Chunk] | None = None,
+        head: int = 0,
     ) -> None:
         self._pieces = pieces
         self.chunk_bytes = chunk_bytes
         self._convert = convert
+        #: The chunks that start in the first `head` bytes are cut to PARALLEL_CHUNK_BYTES.
+        self.head = head
 
     def __call__(self) -> Iterator[Chunk]:
         return self.between(0, None)
 
     def sizes(self) -> list[int]:
-        return [len(piece.data) for piece in self._pieces(self.chunk_bytes)]
+        return [len(piece.data) for piece in self._chunked()]
+
+    def _chunked(self) -> Iterator[Chunk]:
+        pieces = self._pieces(self.chunk_bytes)
+        return wire.cut_chunks(pieces, PARALLEL_CHUNK_BYTES, self.head) if self.head else pieces
 
     def between(self, start: int, end: int | None) -> Iterator[Chunk]:
         """The chunks of bytes [start, end) (None: to the end), chunk boundaries."""
-        pieces = self._pieces(self.chunk_bytes)
+        pieces = self._chunked()
         pieces = (
             wire.chunks_after(pieces, start)
             if end is None
@@ -204,10 +227,27 @@ class UpdateChunks:
         of them to share out), whose boundaries include all of these chunks' (a plain
         call cut at one of its chunks continues in ranges from there); these chunks
         themselves when their size is no multiple of it."""
-        size = self.chunk_bytes
-        if size <= PARALLEL_CHUNK_BYTES or size % PARALLEL_CHUNK_BYTES:
+        if not self._finer():
             return self
         return UpdateChunks(self._pieces, PARALLEL_CHUNK_BYTES, self._convert)
+
+    def with_head(self) -> UpdateChunks:
+        """The same update for a plain call the automatic count judges: the chunks in its
+        first wire.HEAD_BYTES cut as for ranges (a chunk counts as moved once gRPC took
+        it whole, and a slow link's single flow moves no 4 MiB chunk in the second the
+        call is judged in), the rest whole."""
+        if not self._finer():
+            return self
+        return UpdateChunks(self._pieces, self.chunk_bytes, self._convert, wire.HEAD_BYTES)
+
+    def in_flight(self, moved: int) -> int:
+        """The size of the chunk a call that moved `moved` bytes is sending."""
+        return PARALLEL_CHUNK_BYTES if moved < self.head else self.chunk_bytes
+
+    def _finer(self) -> bool:
+        """Whether ranges' chunks (PARALLEL_CHUNK_BYTES) cut these, ending where they do."""
+        size = self.chunk_bytes
+        return size > PARALLEL_CHUNK_BYTES and size % PARALLEL_CHUNK_BYTES == 0
 
 
 class StreamCount:
@@ -268,6 +308,7 @@ class StreamCount:
         self._clock = clock
         self._changed_at = clock()
         self._mark: tuple[float, int] | None = None  # (when, bytes moved): the window's start
+        self._step = (self._changed_at, 0)  # (when, bytes moved): the count's last change
         self._chunks = 0
         self._moved = 0
         self._best = (self.current, 0.0)  # (count, its rate)
@@ -317,7 +358,7 @@ class StreamCount:
             self._longest_wait = max(self._longest_wait, now - since)
             self._arrival = now
             if self.alone:  # measured from the first chunk past the warm-up
-                if self._first is None and now - self._changed_at >= WARMUP_S:
+                if self._first is None and now - self._changed_at >= CALL_WARMUP_S:
                     self._first = (now, self._moved)
                 if self._first is not None:
                     self._last = (now, self._moved)
@@ -363,9 +404,26 @@ class StreamCount:
         )
 
     def ending(self) -> None:
-        """The transfer's last range is handed out: no more decisions."""
+        """The transfer's last range is handed out: no more decisions, but a step up whose
+        window this cut short is judged over all it moved since it began (`_cut_short`)."""
         with self.changed:
+            if not self._ending:
+                self._cut_short(self._clock())
             self._ending = True
+
+    def _cut_short(self, now: float) -> None:
+        """A step up that the transfer's end left unmeasured paid if, warm-up and all (so
+        reading low), it moved PAID_GAIN times the best rate: the next transfer then
+        starts there (a 6 MB download at 0.5 MB/s a flow, cut from its call for 16
+        streams, ended before their window, and the next began as one call again)."""
+        count, best = self._best
+        when, moved = self._step
+        if self.settled or self.alone or self.current <= count or best <= 0 or now <= when:
+            return
+        rate = (self._moved - moved) / (now - when)
+        if rate >= best * PAID_GAIN:
+            self.paid, self._best = True, (self.current, rate)
+            self.rates.append(rate)
 
     def began(self) -> None:
         """The transfer's bytes start moving now (an upload's go-ahead: the wait for the
@@ -376,21 +434,19 @@ class StreamCount:
     def poll(self, in_flight: int) -> bool:
         """While the transfer is one plain call (`in_flight`: the bytes of the chunk it
         is moving): True once more streams should take over (the count is then GROWTH:
-        cut the call where it stands and move the rest in ranges). The call's rate
-        counts from its first chunk past WARMUP_S on (not the request's round trip, the
-        connection's slow start, nor what the buffers took at once); a chunk arrives
-        whole, so until MEASURE_CHUNKS more have (over MEASURE_S), the rate is bounded
-        above by counting the one in flight as moved. The call switches when even that
-        bound leaves more than SWITCH_S of transfer, and either the rate is measured or
-        measuring it would take longer than MEASURE_LIMIT_S (a lossy link's single
-        flow: its 4 MiB chunks take seconds each); it stays alone when the previous
-        transfer found one stream as fast as more and this one moves about as fast."""
+        cut the call where it stands and move the rest in ranges: `_first_step`). The
+        call's rate counts from its first chunk past CALL_WARMUP_S on; a chunk arrives
+        whole, so until MEASURE_CHUNKS more have (over CALL_MEASURE_S), the rate is
+        bounded above by counting the one in flight as moved. The call switches when
+        even that bound leaves more than SWITCH_S of transfer, and either the rate is
+        measured or, after DECIDE_S, measuring it would take longer than
+        MEASURE_LIMIT_S (a lossy link's single flow: 4 MiB chunks take seconds each); it
+        stays alone when the previous transfer found one stream as fast as more and
+        this one moves about as fast."""
         with self.changed:
             if not self.alone or self.settled:
                 return False
             now = self._clock()
-            if now - self._changed_at < DECIDE_S:
-                return False
             if self._stalled(now):
                 # New connections dialled during an outage would back off through it
                 # and come up seconds after the call resumes.
@@ -400,7 +456,9 @@ class StreamCount:
                 since, moved, measured = self._changed_at, self._moved, False
             else:
                 since, moved = first[0], self._moved - first[1]
-                measured = self._arrived > MEASURE_CHUNKS and last[0] - first[0] >= MEASURE_S
+                measured = self._arrived > MEASURE_CHUNKS and last[0] - first[0] >= CALL_MEASURE_S
+            if not measured and now - self._changed_at < DECIDE_S:
+                return False
             bound = (moved + in_flight) / max(now - since, 1e-6)
             rate = 0.0
             if measured and first is not None and last is not None:
@@ -416,11 +474,23 @@ class StreamCount:
             self.rates.append(rate)
             self.alone = False
             self._best = (1, rate)
-            self.current = min(GROWTH, self.limit)
+            self.current = self._first_step(rate)
             self.tried.append(self.current)
-            self._changed_at, self._mark = now, None
+            self._changed_at, self._mark, self._step = now, None, (now, self._moved)
             self.changed.notify_all()
             return True
+
+    def _first_step(self, rate: float) -> int:
+        """The count a plain call cut for more streams steps to: GROWTH, or, when its
+        rate was measured, the first power of GROWTH at which the rest would take at most
+        FIRST_STEP_S if every stream moved what the call did. On a link that one flow
+        fills the step then reads no faster than the call, and is taken back
+        (`_decide`)."""
+        step = min(GROWTH, self.limit)
+        rest = self.total - self._moved
+        while rate > 0 and step < self.limit and rest > FIRST_STEP_S * step * rate:
+            step = min(step * GROWTH, self.limit)
+        return step
 
     def _decide(self, rate: float, now: float) -> None:
         log.debug("%d streams: %.2f MB/s", self.current, rate / 1e6)
@@ -451,6 +521,7 @@ class StreamCount:
             self.current = min(GROWTH * self.current, self.limit)
         self.tried.append(self.current)
         self._changed_at, self._mark, self._looking_again = now, None, False
+        self._step = (now, self._moved)
         self.changed.notify_all()
 
     def _second_look(self, now: float) -> bool:
@@ -587,11 +658,12 @@ class CallSwitch:
     its own while it runs: a lossy link's chunk may take seconds to arrive) and cancels
     it once more streams should take over; the transfer then moves the rest in ranges
     from where the call stood. `follow` each call the transfer makes (a broken one is
-    resumed by another). A count that is not automatic is not watched."""
+    resumed by another). A count that is not automatic is not watched. `in_flight`: the
+    size of the chunk the call is moving (or what says it, from the bytes moved)."""
 
-    def __init__(self, count: StreamCount, in_flight: int) -> None:
+    def __init__(self, count: StreamCount, in_flight: int | Callable[[int], int]) -> None:
         self.count = count
-        self._in_flight = in_flight
+        self._in_flight = in_flight if callable(in_flight) else lambda _: in_flight
         self._call: object = None
         self._lock = threading.Lock()
         self._done = threading.Event()
@@ -616,7 +688,7 @@ class CallSwitch:
 
     def _watch(self) -> None:
         while not self._done.wait(POLL_S):
-            if self.count.poll(self._in_flight):
+            if self.count.poll(self._in_flight(self.count.moved_bytes)):
                 self._cut()
                 return
 
