@@ -222,8 +222,8 @@ def test_a_call_measured_slow_steps_at_once_to_the_streams_that_would_finish_it(
     (wire.HEAD_BYTES): at its rate 4 streams would still take 22 s for the rest, 16 6 s,
     so the call is cut for 64 at once, within a second (not three steps of a window each), and their
     window, 27 times the call's rate, marks the link flow-limited. A narrow link one flow
-    fills steps as far (16), reads no faster there, and goes back to one call, with
-    whose rate the next transfer stays one call."""
+    fills steps as far, reads no faster there, and goes back to one call, with whose
+    rate the next transfer stays one call; a faster call steps less far."""
     piece = wire.RANGE_CHUNK_BYTES
     clock = FakeClock()
     lossy = _auto(clock, 40 << 20)
@@ -237,9 +237,12 @@ def test_a_call_measured_slow_steps_at_once_to_the_streams_that_would_finish_it(
     assert lossy.next_start() == (64, None)
     narrow = _auto(clock, 40_000_000)
     _transfer(narrow, clock, lambda k, _: 1.25e6, 6 << 20, piece)
-    assert narrow.tried == [1, 16, 1] and not narrow.paid
+    assert narrow.tried == [1, 64, 1] and not narrow.paid
     start, known = narrow.next_start()
     assert start == 1 and known == pytest.approx(1.25e6)
+    faster = _auto(clock, 40_000_000)  # 5 MB/s: 16 streams would end the rest in 0.5 s
+    _transfer(faster, clock, lambda k, _: 5e6, 12 << 20, piece)
+    assert faster.tried[:2] == [1, 16]
     _cut_unmeasured(_auto(clock, 40 << 20), clock)  # no chunk yet: a step of GROWTH
 
 

@@ -24,11 +24,15 @@ not the default"), on a clean WAN link they cost a little too (79% of the line r
 32 against 89% with one), and at 1% loss under cubic 32 / 64 streams reach 58% / 68% of
 it where one reaches 3% ("WAN: parallel streams"). So a transfer starts as one plain
 call, exactly as with `transfer_streams = 1`, and `CallSwitch` watches it
-(`StreamCount.poll`): after DECIDE_S, if at its rate the rest would still take more than
-SWITCH_S, the call is cut where it stands and the rest moves in ranges: a download asks
-for the bytes after those it received; an upload's call is resumed on the server with
-its range ending where the server holds it (`resumable.py` there), and the ranges join
-that upload. From then on `StreamCount` multiplies the count by GROWTH (4) while the
+(`StreamCount.poll`): once its rate is measured (its first wire.HEAD_BYTES travel in
+small chunks, so a lossy link's single flow shows its rate within a second) or after
+DECIDE_S, if at its rate the rest would still take more than SWITCH_S, the call is cut
+where it stands and the rest moves in ranges: a download asks for the bytes after those
+it received; an upload's call is resumed on the server with its range ending where the
+server holds it (`resumable.py` there), and the ranges join that upload. A measured
+call steps at once to the power of GROWTH at which every stream moving what it did
+would end the rest within FIRST_STEP_S (1 -> 64 at 1% loss), an unmeasured one to
+GROWTH. From then on `StreamCount` multiplies the count by GROWTH (4) while the
 streams raise the rate the transfer moves its bytes at by more than GAIN, measured after
 a warm-up (a new connection's handshake and slow start are not "no gain") over about a
 chunk per stream, and never in the transfer's last ranges. A step that gains less stays
@@ -147,9 +151,10 @@ MEASURE_LIMIT_S = 2.0
 #: A plain call measured slow and cut steps to the count at which, if every stream moved
 #: what the call did, the rest would take at most this long (flows add up until they
 #: fill the link; on a link one flow fills the step reads no faster, and is taken back
-#: after its window): at 1% loss a call moves 0.4-0.9 MB/s, and 40 MB go over 64
-#: streams at once, not after steps to 4 and 16 of a window each (RESULTS, stop 31).
-FIRST_STEP_S = 2.0
+#: after its window): at 1% loss a call reads 0.3-2.2 MB/s (its first half second
+#: holds some of slow start), and 40 MB go over 64 streams at once, not after steps to
+#: 4 and 16 of a window each (RESULTS, "Round 1 at 1% loss: the call measured").
+FIRST_STEP_S = 1.0
 #: A plain call whose chunks stopped coming for longer than this, and STALL_WAITS times
 #: its longest wait for one so far, is stalled (its link is down), not slow: it is not
 #: cut for more streams, it resumes when the link is back (a 10 s outage mid-download
@@ -255,14 +260,16 @@ class StreamCount:
     while more streams raise the rate the transfer moves its bytes at.
 
     Automatic, from one stream: the transfer is one plain call (`alone`), exactly as
-    with a fixed one, watched by `poll`: once it has run DECIDE_S, if at its rate the
-    rest would still take more than SWITCH_S, the count becomes GROWTH (`parallel`),
-    and the transfer cuts its call where it stands and moves the rest in ranges. A
-    fast link so never pays for ranges, a slow one is probed within seconds.
+    with a fixed one, watched by `poll`: once its rate is measured (or it has run
+    DECIDE_S), if at its rate the rest would still take more than SWITCH_S, the count
+    becomes what its rate says (`_first_step`; `parallel`), and the transfer cuts its
+    call where it stands and moves the rest in ranges. A fast link so never pays for
+    ranges, a slow one is probed within a second or two.
 
     With more than one stream, after each change the aggregate rate is measured (past
     WARMUP_S, over MEASURE_S and at least MEASURE_CHUNKS chunks and one per stream; not
-    once the last range is handed out: `ending`). The first measurement grows the count
+    once the last range is handed out: `ending`, which judges a step whose window it
+    cut short over all it moved). The first measurement grows the count
     GROWTH times (with `descend`: shrinks it GROWTH times, to find out whether the link
     got better); a later one grows it again if the rate rose by more than GAIN over the
     best so far; it stays where it is if more streams paid (`paid`) and the rate is at
