@@ -243,6 +243,11 @@ def test_a_call_measured_slow_steps_at_once_to_the_streams_that_would_finish_it(
     faster = _auto(clock, 40_000_000)  # 5 MB/s: 16 streams would end the rest in 0.5 s
     _transfer(faster, clock, lambda k, _: 5e6, 12 << 20, piece)
     assert faster.tried[:2] == [1, 16]
+    # an upload's ranges are 256 KiB at least: 64 streams' lanes would take 33 MB of the
+    # 40 at once and leave nothing to judge them by (on a narrow link they stayed)
+    upload = _auto(clock, 40_000_000, range_chunk=PARALLEL_CHUNK_BYTES)
+    _transfer(upload, clock, lambda k, _: 1.25e6, 12 << 20, PARALLEL_CHUNK_BYTES)
+    assert upload.tried[:3] == [1, 16, 1]
     _cut_unmeasured(_auto(clock, 40 << 20), clock)  # no chunk yet: a step of GROWTH
 
 

@@ -291,9 +291,13 @@ class StreamCount:
         total: int = 0,
         descend: bool = False,
         paid: bool = False,
+        range_chunk: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.limit = max(1, limit)
+        #: The size of a range's chunks (RANGE_CHUNKS): a range is at least one, so a
+        #: count's lanes take at least count x LANES of them when it starts.
+        self.range_chunk = range_chunk
         #: More streams than one were measured to multiply the rate on this link (a step's
         #: gain of PAID_GAIN over a measured rate, here or in a transfer before): it is
         #: flow-limited, and a step up stays unless SLOWER. Not for a plain call cut
@@ -490,13 +494,19 @@ class StreamCount:
     def _first_step(self, rate: float) -> int:
         """The count a plain call cut for more streams steps to: GROWTH, or, when its
         rate was measured, the first power of GROWTH at which the rest would take at most
-        FIRST_STEP_S if every stream moved what the call did. On a link that one flow
-        fills the step then reads no faster than the call, and is taken back
-        (`_decide`)."""
+        FIRST_STEP_S if every stream moved what the call did, short of one whose lanes'
+        first ranges alone would take half the rest (a 40 MB upload's 64 x LANES 256 KiB
+        ranges: 33 MB at once, then nothing is left to judge 64 streams by, and on a
+        narrow link they stayed for the whole transfer, 41.6 s where one call took
+        34.6). On a link that one flow fills the step then reads no faster than the
+        call, and is taken back (`_decide`)."""
         step = min(GROWTH, self.limit)
         rest = self.total - self._moved
         while rate > 0 and step < self.limit and rest > FIRST_STEP_S * step * rate:
-            step = min(step * GROWTH, self.limit)
+            larger = min(step * GROWTH, self.limit)
+            if 2 * larger * LANES * self.range_chunk > rest:
+                break
+            step = larger
         return step
 
     def _decide(self, rate: float, now: float) -> None:
@@ -644,7 +654,7 @@ class StreamMemory:
             and self._above.get(direction, 0) % DESCEND_EVERY == DESCEND_EVERY - 1
             and nbytes >= descent_room(start[0], RANGE_CHUNKS[direction])
         )
-        return stream_plan(configured, nbytes, start, descend, self._paid)
+        return stream_plan(configured, nbytes, start, descend, self._paid, RANGE_CHUNKS[direction])
 
     def ended(self, direction: str, count: StreamCount) -> None:
         """Remember where an automatic transfer stayed."""
@@ -717,6 +727,7 @@ def stream_plan(
     start: tuple[int, float | None] = (1, None),
     descend: bool = False,
     paid: bool = False,
+    range_chunk: int = 0,
 ) -> StreamCount:
     """Streams for a transfer of `nbytes`: `configured`, or (0) the automatic choice,
     which starts at `start` (the previous transfer's `next_start`; one, for a transfer
@@ -732,6 +743,7 @@ def stream_plan(
         total=nbytes,
         descend=descend,
         paid=paid,
+        range_chunk=range_chunk,
     )
 
 
