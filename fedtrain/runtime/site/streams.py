@@ -444,8 +444,8 @@ class StreamCount:
 
     def poll(self, in_flight: int) -> bool:
         """While the transfer is one plain call (`in_flight`: the bytes of the chunk it
-        is moving): True once more streams should take over (the count is then GROWTH:
-        cut the call where it stands and move the rest in ranges: `_first_step`). The
+        is moving): True once more streams should take over (the count is then
+        `_first_step`'s: cut the call where it stands and move the rest in ranges). The
         call's rate counts from its first chunk past CALL_WARMUP_S on; a chunk arrives
         whole, so until MEASURE_CHUNKS more have (over CALL_MEASURE_S), the rate is
         bounded above by counting the one in flight as moved. The call switches when
