@@ -98,6 +98,14 @@ RANGE_CHUNK_BYTES = 64 * 1024
 #: call's rate (RESULTS, "A plain download's first bytes in small pieces").
 PROBE_MIN_BYTES = 4 << 20
 HEAD_BYTES = 4 << 20
+
+
+def head_bytes(total: int) -> int:
+    """How many of a plain download's first bytes travel in RANGE_CHUNK_BYTES pieces
+    (0: a download too small to be cut for parallel streams goes in whole chunks)."""
+    return HEAD_BYTES if total >= PROBE_MIN_BYTES else 0
+
+
 #: Ranges one upload may be cut into (a few per stream, so that fast streams take more):
 #: more are refused, so that one site cannot make the server track thousands.
 MAX_UPLOAD_RANGES = 256

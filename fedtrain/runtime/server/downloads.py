@@ -130,8 +130,7 @@ class SharedDownloads:
     def _chunks(self, parts: ModelState, ranged: bool) -> Iterator[Chunk]:
         """What a download of `parts` sends: for parallel streams every chunk in range
         pieces; else those in the first HEAD_BYTES of a download the site may cut."""
-        head = 0 if parts.nbytes < wire.PROBE_MIN_BYTES else wire.HEAD_BYTES
-        until = None if ranged else head
+        until = None if ranged else wire.head_bytes(parts.nbytes)
         return wire.cut_chunks(parts.chunks(self.chunk_bytes), wire.RANGE_CHUNK_BYTES, until)
 
     def _advance(self, model: GlobalModel) -> tuple[Download | None, Download]:

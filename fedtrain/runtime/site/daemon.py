@@ -1476,7 +1476,7 @@ def _plain_piece(chunk_bytes: int, total: int, received: int) -> int:
     """The size of the piece a plain download is moving after `received` bytes: the
     server cuts those in the first wire.HEAD_BYTES of a download the site may cut into
     range pieces, the rest are its chunk_bytes."""
-    if total >= PROBE_MIN_BYTES and received < wire.HEAD_BYTES:
+    if received < wire.head_bytes(total):
         return min(chunk_bytes, wire.RANGE_CHUNK_BYTES)
     return chunk_bytes
 
