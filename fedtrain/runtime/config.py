@@ -596,7 +596,7 @@ class SiteConfig:
         "transfer starts at the count the last one stayed at (an upload with none yet at "
         "its download's), and one in four tries a quarter as many, kept "
         "only if they move as much (in two windows, on a transfer with room to tell), so a "
-        "link that got clean goes back to one call (1% loss: 58-63% of the line rate in the "
+        "link that got clean goes back to one call (1% loss: 58-66% of the line rate in the "
         "first round, 64-69% from the second, every transfer at 64 streams). 1: always "
         "one call "
         "(with BBR at the sender one stream is best); K: always K. A transfer under 4 MiB "
