@@ -1274,10 +1274,10 @@ class SiteDaemon:
         """An upload as one call, which the automatic `count` may cut: the rest then
         goes in ranges over more streams."""
         shared = SharedUpload()
-        in_flight: int | Callable[[int], int] = 0
-        if isinstance(chunks, UpdateChunks):
-            chunks = chunks.with_head() if count.alone else chunks
-            in_flight = chunks.in_flight
+        if isinstance(chunks, UpdateChunks) and count.alone:
+            chunks = chunks.with_head()
+        # (a masked update's count is fixed: its call is never watched)
+        in_flight = chunks.in_flight if isinstance(chunks, UpdateChunks) else lambda _: 0
         if own_connection:
             log.debug("round %d: uploading on a connection of its own", header.round)
         try:

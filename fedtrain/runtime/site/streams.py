@@ -676,11 +676,11 @@ class CallSwitch:
     it once more streams should take over; the transfer then moves the rest in ranges
     from where the call stood. `follow` each call the transfer makes (a broken one is
     resumed by another). A count that is not automatic is not watched. `in_flight`: the
-    size of the chunk the call is moving (or what says it, from the bytes moved)."""
+    size of the chunk the call is moving, from the bytes it moved."""
 
-    def __init__(self, count: StreamCount, in_flight: int | Callable[[int], int]) -> None:
+    def __init__(self, count: StreamCount, in_flight: Callable[[int], int]) -> None:
         self.count = count
-        self._in_flight = in_flight if callable(in_flight) else lambda _: in_flight
+        self._in_flight = in_flight
         self._call: object = None
         self._lock = threading.Lock()
         self._done = threading.Event()
