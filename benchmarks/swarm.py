@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -108,6 +108,11 @@ class SiteStats:
     steps: Counter[str] = field(default_factory=Counter)
 
 
+async def _pieces(pieces: Sequence[pb.ModelPiece]) -> AsyncIterator[pb.ModelPiece]:
+    for piece in pieces:
+        yield piece
+
+
 class SwarmSite:
     """One impersonated site: join, heartbeat, download, upload a known delta."""
 
@@ -147,6 +152,7 @@ class SwarmSite:
             site_name=self.name,
             task_fingerprint=fingerprint,
             protocol_version=wire.PROTOCOL_VERSION,
+            capabilities=[wire.INLINE_MODEL_CAPABILITY],  # as a daemon of this version
         )
         tasks: list[asyncio.Task[Any]] = []
         try:
@@ -199,10 +205,14 @@ class SwarmSite:
         step = "downloading"
         self.stats.steps[step] += 1
         try:
+            if instruction.model:  # the model came inside the instruction
+                pieces: Any = _pieces(instruction.model)
+            else:
+                pieces = stub.DownloadModel(
+                    pb.ModelRequest(version=instruction.model_version, session_token=token)
+                )
             specs = []
-            async for piece in stub.DownloadModel(
-                pb.ModelRequest(version=instruction.model_version, session_token=token)
-            ):
+            async for piece in pieces:
                 if piece.WhichOneof("kind") == "manifest":
                     specs = [wire.spec_from_proto(s) for s in piece.manifest.specs]
             self.stats.steps[step] -= 1

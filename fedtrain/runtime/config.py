@@ -119,8 +119,22 @@ class TransfersConfig:
         "and so they do while the file limit has no room for a second connection per "
         "training site. 0: never.",
     )
+    inline_model_bytes: int = option(
+        1 << 20,
+        "A model whose download weighs at most this many bytes rides inside each site's "
+        "instruction (sites of this version announce they take it): no download call per "
+        "site and round, which at 1,000 sites a round was a quarter of the server's CPU. "
+        "Pushed at most max_transfers at a time; a site that waits over a second for its "
+        "turn downloads the model as before. Never for a site served changes (`[download] "
+        "delta`). 0: never. Capped at chunk_bytes (a site accepts messages that large).",
+    )
 
     def __post_init__(self) -> None:
+        if self.inline_model_bytes < 0:
+            raise ConfigError(
+                f"transfers.inline_model_bytes must be >= 0 (0: never), got "
+                f"{self.inline_model_bytes!r}"
+            )
         if self.own_upload_connection_sites < 0:
             raise ConfigError(
                 "transfers.own_upload_connection_sites must be >= 0 (0: never), got "

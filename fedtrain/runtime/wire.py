@@ -43,6 +43,9 @@ HEADER_ALLOWANCE = 64 * 1024
 #: Its version moves whenever masks or stage messages change (2: AES-128 mask keystream),
 #: so a site of another version is refused at Join instead of corrupting the sum.
 SECAGG_CAPABILITY = "secagg/2"
+#: Join capability of a site that takes a small model inside its instruction
+#: (`Instruction.model`) instead of downloading it (`server/model_push.py`).
+INLINE_MODEL_CAPABILITY = "inline_model"
 #: The reason of the Shutdown the server sends when its run is over: a site with
 #: `exit_when_done` exits on it, any other site waits for the server's next run.
 RUN_COMPLETE = "run complete"
@@ -442,8 +445,9 @@ def stream_chunk(item: Any) -> Chunk | None:
 
 
 def serialize_stream_item(item: Chunk | bytes | Any) -> bytes:
-    """gRPC serializer for ModelPiece / UpdateChunk streams: a Chunk, a message, or one
-    already encoded (`encode_chunk_message`, shared by many streams)."""
+    """gRPC serializer for ModelPiece / UpdateChunk streams (and the control stream's
+    ServerMessages): a Chunk, a message, or one already encoded (`encode_chunk_message`,
+    shared by many streams; an instruction with its model, `server/model_push.py`)."""
     if isinstance(item, Chunk):
         return encode_chunk_message(item)
     if isinstance(item, bytes):

@@ -59,6 +59,7 @@ from fedtrain.runtime.server.downloads import SharedDownloads
 from fedtrain.runtime.server.encoded_upload import DecodingSpool
 from fedtrain.runtime.server.global_model import GlobalModel
 from fedtrain.runtime.server.links import TransferMeter
+from fedtrain.runtime.server.model_push import ModelPush
 from fedtrain.runtime.server.peer_check import PeerCheck
 from fedtrain.runtime.server.resumable import (
     HeldUpload,
@@ -153,6 +154,17 @@ class FedtrainServicer:
         self.transfer_slots: TransferSlots[TransferMeter] = TransferSlots(config.max_transfers)
         #: What model downloads send: the encoding each site gets, made once per version.
         self.downloads = SharedDownloads(config.chunk_bytes, config.download)
+        #: Instructions with a small model inside (no download call per site and round).
+        self.push = ModelPush(
+            self.downloads,
+            min(config.transfers.inline_model_bytes, config.chunk_bytes),
+            config.max_transfers,
+            config.chunk_bytes + wire.HEADER_ALLOWANCE,
+            coordinator.links,
+            lambda nbytes: coordinator.transfers.add(sent=nbytes),
+            current=lambda: coordinator.global_model,
+            run=self._run,
+        )
         #: Uploads in flight or broken off, kept `upload_grace_s` for the site to resume.
         self.held = HeldUploads(config.upload_grace_s)
         registry.on_leave(self.site_gone)
@@ -262,7 +274,7 @@ class FedtrainServicer:
         try:
             await context.write(pb.ServerMessage(welcome=welcome))
             while (message := await session.next_message()) is not None:
-                await context.write(message)
+                await self.push.send(session, message, context.write)
         except grpc.RpcError:
             broke = True
             raise
@@ -1380,7 +1392,7 @@ def generic_handler(servicer: FedtrainServicer) -> grpc.GenericRpcHandler:
         "Control": grpc.stream_stream_rpc_method_handler(
             servicer.Control,
             request_deserializer=pb.SiteMessage.FromString,
-            response_serializer=pb.ServerMessage.SerializeToString,
+            response_serializer=wire.serialize_stream_item,  # an instruction with its model
         ),
         "DownloadModel": grpc.unary_stream_rpc_method_handler(
             servicer.DownloadModel,

@@ -28,7 +28,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -60,7 +60,7 @@ from fedtrain.runtime.config import FILE_SOURCES, SiteConfig
 from fedtrain.runtime.peer_auth import ClientIdentity, client_identity, dialled_host
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.site.data import site_data
-from fedtrain.runtime.site.model_download import DigestMismatch, receive_model
+from fedtrain.runtime.site.model_download import DigestMismatch, receive_inline, receive_model
 from fedtrain.runtime.site.outage_watch import DIAL_TIMEOUT_S, OutageWatch
 from fedtrain.runtime.site.secagg import RoundSuperseded, SiteSecAgg
 from fedtrain.runtime.site.streams import (
@@ -101,7 +101,7 @@ from fedtrain.tensors import (
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-CAPABILITIES = ("train", wire.SECAGG_CAPABILITY)
+CAPABILITIES = ("train", wire.SECAGG_CAPABILITY, wire.INLINE_MODEL_CAPABILITY)
 #: gRPC codes of a transfer whose stream or link failed (not refused): it is resumed
 #: once the session's link is up again, until the round's deadline.
 BROKEN_LINK = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
@@ -360,8 +360,10 @@ class SiteDaemon:
         #: The tensors that travel (None: all of them; see `Task.federated`).
         self.federated = None if self.model is None else federated_names(self.task, self.model)
         self.context = TaskContext(device=self.device, client_id=self.name, seed=config.seed)
-        #: Model downloads actually made (cache hits are not downloads).
+        #: Models received (downloaded, or inside their instruction); cache hits are not.
         self.downloads = 0
+        #: Of those, the models that came inside their instruction (no download call).
+        self.inline_models = 0
         self.rounds_trained = 0
         self._cache: tuple[str, ModelState] | None = None
         #: The cached version when it is the server's reference model of that version
@@ -832,7 +834,9 @@ class SiteDaemon:
         try:
             clock = _PhaseClock()
             deadline = instruction.deadline_unix
-            global_state = self.fetch_model(link, instruction.model_version, deadline)
+            global_state = self.fetch_model(
+                link, instruction.model_version, deadline, instruction.model
+            )
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
             local, result = self._train(global_state, config, instruction.deadline_unix)
@@ -892,7 +896,9 @@ class SiteDaemon:
         if link.closed.is_set():
             return
         try:
-            global_state = self.fetch_model(link, instruction.model_version)
+            global_state = self.fetch_model(
+                link, instruction.model_version, inline=instruction.model
+            )
             assert self.model is not None
             global_state.load_into(self.model, self.federated)
             ev = self._held_out(
@@ -978,16 +984,32 @@ class SiteDaemon:
         result = self.task.train(self.model, self.data, config, replace(self.context, seed=seed))
         return ModelState(select(self.model.state_dict(), self.federated)), result
 
-    def fetch_model(self, link: Link, version: str, deadline_unix: float = 0.0) -> ModelState:
-        """The global model of `version`: from the cache, or downloaded in chunks (only
-        the change, when the server sends changes and this site holds the reference
-        version they start from). With a deadline, a download that breaks off continues
-        on the rejoined session from the bytes received (ModelRequest.offset)."""
+    def fetch_model(
+        self,
+        link: Link,
+        version: str,
+        deadline_unix: float = 0.0,
+        inline: Sequence[pb.ModelPiece] = (),
+    ) -> ModelState:
+        """The global model of `version`: from the cache, from its instruction (`inline`:
+        a small model the server sent inside it), or downloaded in chunks (only the
+        change, when the server sends changes and this site holds the reference version
+        they start from). With a deadline, a download that breaks off continues on the
+        rejoined session from the bytes received (ModelRequest.offset)."""
         cached = self._cache
         if cached is not None and cached[0] == version:
             log.debug("model %s is cached; no download", version[:12])
             return cached[1]
         previous = cached[1] if cached is not None else None
+        if inline:
+            self._cache, self._reference = None, ""  # its memory receives the new one
+            state, reference = receive_inline(version, inline, link.download_codec, previous)
+            self._cache = (version, state)
+            self._reference = version if reference else ""
+            self.downloads += 1
+            self.inline_models += 1
+            log.debug("model %s came inside its instruction (%d bytes)", version[:12], state.nbytes)
+            return state
         held = cached[0] if cached is not None and cached[0] == self._reference else ""
         if not held:  # the old version's memory receives the new one
             self._cache = cached = None

@@ -11,7 +11,7 @@ a sum whose digest differs from the server's reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 
 from fedtrain.compression import Codec, downlink
 from fedtrain.errors import ProtocolError, UpdateRejected
@@ -80,3 +80,31 @@ def receive_model(
             "server's (digest mismatch)"
         )
     return state, manifest.reference
+
+
+def receive_inline(
+    version: str,
+    pieces: Sequence[pb.ModelPiece],
+    codec: Codec | None,
+    previous: ModelState | None,
+) -> tuple[ModelState, bool]:
+    """(the model, whether it is the server's reference) from an instruction that carries
+    it (`Instruction.model`): what a download would have sent, checked the same way."""
+    head = pieces[0]
+    if head.WhichOneof("kind") != "manifest":
+        raise ProtocolError("a model inside an instruction must start with its manifest")
+    if head.manifest.model_version != version:
+        raise ProtocolError(
+            f"the instruction names model {version[:12]} but carries "
+            f"{head.manifest.model_version[:12]}"
+        )
+    if head.manifest.base_version:
+        raise ProtocolError("a model inside an instruction must be whole, not a change")
+
+    def chunks() -> Iterator[Chunk]:
+        for piece in pieces[1:]:
+            if piece.WhichOneof("kind") != "chunk":
+                raise ProtocolError("a model inside an instruction has a second manifest")
+            yield wire.chunk_from_proto(piece.chunk)
+
+    return receive_model(head.manifest, chunks(), codec, previous, "")
