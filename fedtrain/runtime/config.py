@@ -123,7 +123,7 @@ class TransfersConfig:
         1 << 20,
         "A model whose download weighs at most this many bytes rides inside each site's "
         "instruction (sites of this version announce they take it): no download call per "
-        "site and round, which at 1,000 sites a round was a quarter of the server's CPU. "
+        "site and round (at 1,000 sites a round, a fifth of the server's CPU per round). "
         "Pushed at most max_transfers at a time; a site that waits over a second for its "
         "turn downloads the model as before. Never for a site served changes (`[download] "
         "delta`). 0: never. Capped at chunk_bytes (a site accepts messages that large).",

@@ -209,7 +209,7 @@ def test_a_failed_group_round_is_reported_to_the_server(group_type: type) -> Non
     group's site keeps serving, a torchrun site stops so torchrun can restart it."""
     daemon = SiteDaemon(site(nproc=2), insecure=True)
     daemon.group = group_type()
-    daemon.fetch_model = lambda link, version, deadline_unix=0.0: ModelState.from_module(  # type: ignore[method-assign]
+    daemon.fetch_model = lambda link, version, deadline_unix=0.0, inline=(): ModelState.from_module(  # type: ignore[method-assign]
         TinyTask().model()
     )
     link = Link(

@@ -835,7 +835,7 @@ class SiteDaemon:
             clock = _PhaseClock()
             deadline = instruction.deadline_unix
             global_state = self.fetch_model(
-                link, instruction.model_version, deadline, instruction.model
+                link, instruction.model_version, deadline, inline=instruction.model
             )
             clock.mark("model")
             config = wire.config_from_proto(instruction.config)
