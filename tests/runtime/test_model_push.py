@@ -224,3 +224,23 @@ def test_a_model_in_an_instruction_that_is_not_what_it_names_is_refused() -> Non
             receive_inline(version, pieces, None, None)
     with pytest.raises(TensorStreamError, match="stream ended early"):
         receive_inline("v1", good[:-1], None, None)  # a chunk short
+
+
+def test_a_model_that_cannot_be_made_goes_out_as_a_plain_instruction(caplog) -> None:
+    """An encoding that fails must not break the site's control stream: the instruction
+    goes without the model (the site's download then meets the failure, and says so)."""
+    push, model, _ = _push(slots=1)
+    site = Session(site="a", peer="a", capabilities=frozenset(INLINE))
+
+    async def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("disk full")
+
+    push.downloads.prepare = broken  # type: ignore[method-assign]
+    written: list[Any] = []
+
+    async def write(item: Any) -> None:
+        written.append(item)
+
+    asyncio.run(push.send(site, _train(model), write))
+    assert written == [_train(model)] and push.pushed == 0
+    assert "could not be put inside an instruction" in caplog.text

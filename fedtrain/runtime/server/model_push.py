@@ -83,16 +83,18 @@ class ModelPush:
         if current is None or self._slots is None:
             await write(message)
             return
-        try:
-            await asyncio.wait_for(self._slots.acquire(), WAIT_S)
-        except TimeoutError:
+        if not await self._slot():
             self.waited_out += 1
             log.debug("site %r: no push slot in %gs; it downloads the model", session.site, WAIT_S)
             await write(message)  # the site downloads it
             return
         try:
             encoded = self.downloads.serves(session.capabilities)
-            suffix, nbytes = await self._model_bytes(current, encoded)
+            try:
+                suffix, nbytes = await self._model_bytes(current, encoded)
+            except Exception:  # e.g. the encoding failed: its download says so to the site
+                log.exception("the model could not be put inside an instruction")
+                suffix, nbytes = b"", 0
             if not suffix:
                 await write(message)
                 return
@@ -114,6 +116,18 @@ class ModelPush:
             )
         finally:
             self._slots.release()
+
+    async def _slot(self) -> bool:
+        """Take a push slot, waiting at most WAIT_S (False: none came)."""
+        assert self._slots is not None
+        if not self._slots.locked():  # (no timer for the usual case: a slot is free)
+            await self._slots.acquire()
+            return True
+        try:
+            await asyncio.wait_for(self._slots.acquire(), WAIT_S)
+        except TimeoutError:
+            return False
+        return True
 
     def _inline_candidate(self, session: Session, message: pb.ServerMessage) -> GlobalModel | None:
         if message.WhichOneof("kind") != "instruction" or not self.limit_bytes:
