@@ -79,8 +79,8 @@ class ModelPush:
     ) -> None:
         """Write `message` with `write`; an instruction of the current global model to a
         site that takes it inline carries the model when it is small enough."""
-        current = self._inline_candidate(session, message)
-        if current is None or self._slots is None:
+        made = await self._model_for(session, message)
+        if made is None:
             await write(message)
             return
         if not await self._slot():
@@ -88,34 +88,41 @@ class ModelPush:
             log.debug("site %r: no push slot in %gs; it downloads the model", session.site, WAIT_S)
             await write(message)  # the site downloads it
             return
+        suffix, nbytes = made
         try:
-            encoded = self.downloads.serves(session.capabilities)
-            try:
-                suffix, nbytes = await self._model_bytes(current, encoded)
-            except Exception:  # e.g. the encoding failed: its download says so to the site
-                log.exception("the model could not be put inside an instruction")
-                suffix, nbytes = b"", 0
-            if not suffix:
-                await write(message)
-                return
             started = time.monotonic()
             # Protobuf merges a message field that appears twice: the instruction's own
             # fields, then the shared model pieces, parse as one Instruction.
             await write(message.SerializeToString() + suffix)
-            instruction = message.instruction
-            self.pushed += 1
-            self._count_sent(nbytes)  # tensor bytes, as downloads count them
-            self.links.record(
-                session.site,
-                "down",
-                nbytes,
-                time.monotonic() - started,
-                whole=True,
-                training=instruction.kind == pb.TRAIN,
-                transfer=(instruction.model_version, ""),
-            )
         finally:
-            self._slots.release()
+            self._slots.release()  # type: ignore[union-attr]
+        instruction = message.instruction
+        self.pushed += 1
+        self._count_sent(nbytes)  # tensor bytes, as downloads count them
+        self.links.record(
+            session.site,
+            "down",
+            nbytes,
+            time.monotonic() - started,
+            whole=True,
+            training=instruction.kind == pb.TRAIN,
+            transfer=(instruction.model_version, ""),
+        )
+
+    async def _model_for(
+        self, session: Session, message: pb.ServerMessage
+    ) -> tuple[bytes, int] | None:
+        """(the model's message bytes, its tensor bytes) to put in `message`; None: send
+        it as it is."""
+        current = self._inline_candidate(session, message)
+        if current is None:
+            return None
+        try:
+            made = await self._model_bytes(current, self.downloads.serves(session.capabilities))
+        except Exception:  # e.g. the encoding failed: its download says so to the site
+            log.exception("the model could not be put inside an instruction")
+            return None
+        return made if made[0] else None
 
     async def _slot(self) -> bool:
         """Take a push slot, waiting at most WAIT_S (False: none came)."""

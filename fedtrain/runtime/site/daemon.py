@@ -1001,27 +1001,23 @@ class SiteDaemon:
             log.debug("model %s is cached; no download", version[:12])
             return cached[1]
         previous = cached[1] if cached is not None else None
-        if inline:
-            self._cache, self._reference = None, ""  # its memory receives the new one
-            state, reference = receive_inline(version, inline, link.download_codec, previous)
-            self._cache = (version, state)
-            self._reference = version if reference else ""
-            self.downloads += 1
-            self.inline_models += 1
-            log.debug("model %s came inside its instruction (%d bytes)", version[:12], state.nbytes)
-            return state
         held = cached[0] if cached is not None and cached[0] == self._reference else ""
-        if not held:  # the old version's memory receives the new one
+        if inline or not held:  # the old version's memory receives the new one
             self._cache = cached = None
             self._reference = ""
         # else it stays untouched, and cached, until a change is added into it: a download
         # that breaks off before leaves the reference for the next one to start from.
-        try:
-            state, reference = self._download(link, version, previous, held, deadline_unix)
-        except DigestMismatch as exc:
-            self._cache, self._reference = None, ""
-            log.warning("%s; downloading it whole", exc)
-            state, reference = self._download(link, version, None, "", deadline_unix)
+        if inline:
+            state, reference = receive_inline(version, inline, link.download_codec, previous)
+            self.inline_models += 1
+            log.debug("model %s came inside its instruction (%d bytes)", version[:12], state.nbytes)
+        else:
+            try:
+                state, reference = self._download(link, version, previous, held, deadline_unix)
+            except DigestMismatch as exc:
+                self._cache, self._reference = None, ""
+                log.warning("%s; downloading it whole", exc)
+                state, reference = self._download(link, version, None, "", deadline_unix)
         self._cache = (version, state)
         self._reference = version if reference else ""
         self.downloads += 1
