@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -67,7 +68,12 @@ def tune_allocator(environ: Mapping[str, str] = os.environ) -> bool:
     return applied
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, found once: `find_library` runs `ldconfig` in a child process,
+    and a child of a server holding 10,000 connections, every time the heap is
+    trimmed, cost a spawn each time (and showed up as a second copy of the server's
+    resident memory while it ran)."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c"))
     except (OSError, TypeError):

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import subprocess
 import sys
 
 import pytest
 
 from fedtrain.runtime import allocator
+
+
+@pytest.fixture(autouse=True)
+def _find_libc_anew():
+    """The C library is looked up once per process; each test here fakes its own."""
+    allocator._libc.cache_clear()
+    yield
+    allocator._libc.cache_clear()
 
 
 class FakeLibc:
@@ -82,3 +91,20 @@ def test_real_glibc_accepts_the_settings() -> None:
     except AttributeError:
         pytest.skip("this C library has no mallopt")
     assert allocator.tune_allocator({}) is True
+
+
+def test_the_c_library_is_looked_up_once_not_at_every_trim(monkeypatch) -> None:
+    """`find_library` spawns `ldconfig`: a server trimming its heap every few seconds
+    must not spawn a child (a copy of its resident memory, to a process-tree count)
+    each time."""
+    looked_up: list[str] = []
+    find = ctypes.util.find_library
+
+    def counting(name: str) -> str | None:
+        looked_up.append(name)
+        return find(name)
+
+    monkeypatch.setattr(allocator.ctypes.util, "find_library", counting)
+    for _ in range(3):
+        allocator.release_free_memory()
+    assert looked_up == ["c"]
