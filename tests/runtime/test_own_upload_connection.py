@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import sys
 from typing import Any
 
 import pytest
@@ -87,7 +88,7 @@ def test_with_tls_each_update_connection_proves_the_session_first(
     assert own.equal(_flat_run(tmp_path / "control", stop_after, 1, pki))
 
 
-def test_no_own_connections_where_the_file_limit_has_no_room_for_the_training_sites(
+def test_the_file_limit_decides_how_many_training_sites_get_a_connection_of_their_own(
     monkeypatch,
 ) -> None:
     from fedtrain.config import from_dict
@@ -98,8 +99,45 @@ def test_no_own_connections_where_the_file_limit_has_no_room_for_the_training_si
         ServerConfig,
         {"task": "x:Y", "max_transfers": 8, "transfers": {"own_upload_connection_sites": 100}},
     )
-    room = 1000 + 300 + sessions.FILES_RESERVED + 8  # 1,000 sites connected, 300 training
-    for limit, asked in ((room, True), (room - 1, False), (resource.RLIM_INFINITY, True)):
+    kept = sessions.FILES_RESERVED + 8  # beside 1,000 connected sites' connections
+    for limit, room in (
+        (1000 + kept + 300, 300),
+        (1000 + kept + 299, 299),
+        (1000 + kept - 5, 0),
+        (resource.RLIM_INFINITY, sys.maxsize),
+    ):
         monkeypatch.setattr(sessions.resource, "getrlimit", lambda _, limit=limit: (limit, limit))
-        assert sessions.own_upload_connections(config, 1000, 300) is asked, limit
-    assert not sessions.own_upload_connections(config, 99, 50)
+        assert sessions.own_upload_room(config, 1000) == room, limit
+    assert sessions.own_upload_room(config, 99) == 0  # below the threshold
+
+
+def test_where_the_room_is_short_the_first_sites_get_their_own_and_the_rest_share(
+    tmp_path, stop_after, monkeypatch
+) -> None:
+    """3 sites train, the file limit has room for 2 more connections: 2 are asked for
+    a connection of their own, 1 sends on its control connection; a site instructed
+    again (it reconnected) is asked the same as before."""
+    from fedtrain.runtime.server import coordinator
+
+    monkeypatch.setattr(coordinator, "own_upload_room", lambda config, connected: 2)
+    task = TinyTask()
+    server = inprocess_server(tmp_path, task, sites=3, transfers={"own_upload_connection_sites": 1})
+    stop_after.append(server)
+    fingerprint = task_fingerprint(task)
+    sites = [FakeSite(server.port, f"s{i}", fingerprint) for i in range(3)]
+    try:
+        asked = {
+            site.name: site.expect("instruction").instruction.own_upload_connection
+            for site in sites
+        }
+        assert sorted(asked.values()) == [False, True, True], asked
+        state = server.coordinator.current
+        assert state.own_uploads == {name for name, own in asked.items() if own}
+        for site in sites:  # as after a rejoin: the same instruction, the same choice
+            server.coordinator.rejoined(server.registry.get(site.name))
+            again = site.expect("instruction").instruction
+            assert again.own_upload_connection is asked[site.name]
+    finally:
+        for site in sites:
+            site.outbox.put(None)
+            site.channel.close()

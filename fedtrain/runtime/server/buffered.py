@@ -55,7 +55,7 @@ from fedtrain.runtime.server.sessions import (
     Session,
     SessionRegistry,
     instruct,
-    own_upload_connections,
+    own_upload_room,
 )
 from fedtrain.runtime.server.uploads import UpdateSpool
 from fedtrain.strategy import FedBuff, StalenessBuffer, StaleUpdate, Strategy
@@ -274,15 +274,14 @@ class BufferedRounds:
         )
         self.jobs[session.site] = job
         config = self.strategy.job_config(job.number, model.round, session.site)
+        room = own_upload_room(self.coordinator.config, len(self.coordinator.registry))
         instruct(
             session,
             job.number,
             model.version,
             config,
             time.time() + self.timeout_s,
-            own_upload_connection=own_upload_connections(
-                self.coordinator.config, len(self.coordinator.registry), len(self.jobs)
-            ),
+            own_upload_connection=len(self.jobs) <= room,  # (this job's is counted)
         )
         log.debug("job %d: site %r trains from version %d", job.number, session.site, model.round)
         self._cond.notify_all()  # the coordinator thread watches its deadline

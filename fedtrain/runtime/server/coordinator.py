@@ -13,6 +13,7 @@ blocks without a bound except waiting for sites to exist at all.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -58,7 +59,7 @@ from fedtrain.runtime.server.sessions import (
     Session,
     SessionRegistry,
     instruct,
-    own_upload_connections,
+    own_upload_room,
     summarize_sites,
 )
 from fedtrain.runtime.server.site_deadlines import SiteDeadlines
@@ -470,7 +471,8 @@ class Coordinator:
             participants=sorted(plan),
             model_version=model.version,
         )
-        own_uploads = own_upload_connections(self.config, len(self.registry), len(plan))
+        room = own_upload_room(self.config, len(self.registry))
+        state.own_uploads = frozenset(itertools.islice(plan, room))
         for session in sessions.values():
             if session is None:
                 continue
@@ -485,7 +487,7 @@ class Coordinator:
                 plan[session.site],
                 deadline_unix,
                 secagg=isinstance(state, SecureRoundState),
-                own_upload_connection=own_uploads,
+                own_upload_connection=session.site in state.own_uploads,
             )
         if isinstance(state, SecureRoundState):
             state.start()  # key agreement runs while the sites download and train
@@ -999,10 +1001,8 @@ class Coordinator:
             state.round,
             state.model_version,
             state.plan[session.site],
-            state.deadline_unix,  # the same instruction (its connection choice: as sites are now)
-            own_upload_connection=own_upload_connections(
-                self.config, len(self.registry), len(state.plan)
-            ),
+            state.deadline_unix,  # the same instruction, its connection choice too
+            own_upload_connection=session.site in state.own_uploads,
         )
 
     def site_failed(self, session: Session, server_round: int, message: str) -> None:

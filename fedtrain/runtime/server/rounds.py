@@ -94,6 +94,9 @@ class RoundState:
     #: cross-site validation of local models (`cross_site_local_models`).
     keep_updates: frozenset[str] = frozenset()
     local_updates: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    #: Sites asked to send their update on a connection of their own
+    #: (`sessions.own_upload_room`); a site instructed again is asked the same.
+    own_uploads: frozenset[str] = frozenset()
     #: Chosen sites whose outcome is still PENDING (`wait` checks it on every wake-up:
     #: counting, not rescanning, keeps a round O(sites) however often it wakes).
     _pending: int = field(default=0, init=False)

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import resource
 import secrets
+import sys
 import threading
 import time
 from collections import Counter
@@ -160,16 +161,19 @@ def instruct(
     session.send(pb.ServerMessage(instruction=instruction))
 
 
-def own_upload_connections(config: ServerConfig, connected: int, training: int) -> bool:
-    """Whether TRAIN instructions ask for updates on connections of their own now
+def own_upload_room(config: ServerConfig, connected: int) -> int:
+    """How many training sites may send their update on a connection of their own now
     (`transfers.own_upload_connection_sites`: 0 never, else from that many sites
-    `connected` on), as long as the file limit has room for a second connection for
-    each of the `training` sites (one waiting for a transfer slot holds it too)."""
+    `connected` on): as many as the file limit has room for a second connection (one
+    waiting for a transfer slot holds it too). The rest send on their control
+    connection, so a round with more sites than that room still gets most of its
+    updates on connections that close after them."""
     if not 0 < config.transfers.own_upload_connection_sites <= connected:
-        return False
+        return 0
     files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    needed = connected + training + FILES_RESERVED + config.max_transfers
-    return files == resource.RLIM_INFINITY or needed <= files
+    if files == resource.RLIM_INFINITY:
+        return sys.maxsize
+    return max(0, files - connected - FILES_RESERVED - config.max_transfers)
 
 
 class AtCapacity(Exception):
