@@ -112,7 +112,7 @@ def test_the_file_limit_decides_how_many_training_sites_get_a_connection_of_thei
 
 
 def test_where_the_room_is_short_the_first_sites_get_their_own_and_the_rest_share(
-    tmp_path, stop_after, monkeypatch
+    tmp_path, stop_after, monkeypatch, caplog
 ) -> None:
     """3 sites train, the file limit has room for 2 more connections: 2 are asked for
     a connection of their own, 1 sends on its control connection; a site instructed
@@ -120,6 +120,7 @@ def test_where_the_room_is_short_the_first_sites_get_their_own_and_the_rest_shar
     from fedtrain.runtime.server import coordinator
 
     monkeypatch.setattr(coordinator, "own_upload_room", lambda config, connected: 2)
+    caplog.set_level(logging.INFO, logger="fedtrain.runtime.server.coordinator")
     task = TinyTask()
     server = inprocess_server(tmp_path, task, sites=3, transfers={"own_upload_connection_sites": 1})
     stop_after.append(server)
@@ -133,6 +134,7 @@ def test_where_the_room_is_short_the_first_sites_get_their_own_and_the_rest_shar
         assert sorted(asked.values()) == [False, True, True], asked
         state = server.coordinator.current
         assert state.own_uploads == {name for name, own in asked.items() if own}
+        assert "2 of 3 site(s) send their update on a connection of their own" in caplog.text
         for site in sites:  # as after a rejoin: the same instruction, the same choice
             server.coordinator.rejoined(server.registry.get(site.name))
             again = site.expect("instruction").instruction

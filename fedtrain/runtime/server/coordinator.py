@@ -473,6 +473,15 @@ class Coordinator:
         )
         room = own_upload_room(self.config, len(self.registry))
         state.own_uploads = frozenset(itertools.islice(plan, room))
+        if 0 < len(state.own_uploads) < len(plan):
+            log.info(
+                "round %d: %d of %d site(s) send their update on a connection of their "
+                "own, the rest on their control connection: the file limit has room for "
+                "no more (raise LimitNOFILE for all of them)",
+                server_round,
+                len(state.own_uploads),
+                len(plan),
+            )
         for session in sessions.values():
             if session is None:
                 continue
