@@ -6,7 +6,8 @@ the CPU: on this 2-core machine a call it times waits for four busy processes th
 deployment run on other hosts. An operator asks from a login shell on the server's host
 (the run dir's socket) or from another host (the ports): this process runs in a session
 of its own (`start_new_session`), asks each address about once a second, and prints one
-JSON line per answered call: {"where": NAME, "seconds": S, "phase": PHASE}.
+JSON line per answered call: {"where": NAME, "seconds": S, "phase": PHASE, "at": UNIX
+TIME ASKED} (to line a slow call up with the server's log).
 
     python -m benchmarks.status_probe NAME=ADDRESS [NAME=ADDRESS ...]
 
@@ -41,8 +42,13 @@ def main(argv: list[str]) -> int:
         while True:
             for where, address in asked:
                 with contextlib.suppress(ServerUnreachable):  # not up yet, or gone
+                    asked_at = time.time()
                     seconds, phase = status_seconds(address)
-                    print(json.dumps({"where": where, "seconds": seconds, "phase": phase}))
+                    print(
+                        json.dumps(
+                            {"where": where, "seconds": seconds, "phase": phase, "at": asked_at}
+                        )
+                    )
             sys.stdout.flush()
             time.sleep(INTERVAL_S)
     return 0
