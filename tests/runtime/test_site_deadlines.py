@@ -205,6 +205,79 @@ def test_a_silent_site_is_presumed_in_an_outage_only_when_a_grace_is_configured(
         assert r.enforce(at=120) == dropped
 
 
+def test_a_site_without_a_transfer_waits_while_the_servers_slots_are_all_taken(
+    tmp_path,
+) -> None:
+    """Thousands training at once: a site past its deadline whose upload has not reached
+    the server (its connection not yet accepted, its call not yet taken) is not dropped
+    while every transfer slot is taken; once one is free it is judged as before. A site
+    whose transfer stalls is dropped either way."""
+    r = Round(tmp_path, ["late", "stalled", "c"])
+    saturated = [True]
+    r.deadlines.saturated_when(lambda: saturated[0])
+    for site in ("late", "stalled"):
+        measure(r.links, site, 100 * MB, 100 * MB, 40 * MB)  # deadline 6.6 s
+    r.begin()
+    for session in r.sessions.values():  # heartbeats arrive: no outage
+        session.last_seen = r.t0 + 60
+    r.uploading("stalled", bps=0.0, idle_s=45, at=50)
+    assert r.enforce(at=50) == ["stalled"]  # stalled in a slot: not the server's doing
+    assert r.enforce(at=55) == []
+    assert r.state.outcomes["late"] is Outcome.PENDING
+    saturated[0] = False
+    assert r.enforce(at=60) == ["late"]
+    assert r.dropped_records()[1]["reason"].endswith(
+        "no transfer in flight (its compute was measured at 0s)"
+    )
+
+
+def test_the_server_tells_its_deadlines_when_its_transfer_slots_are_all_taken(
+    tmp_path, stop_after
+) -> None:
+    task = TinyTask(features=2_000_000)  # 16 MB: downloaded, not inside the instruction
+    server = inprocess_server(tmp_path, task, sites=1, rounds=1, max_transfers=1)
+    stop_after.append(server)
+    site = FakeSite(server.port, "a", task_fingerprint(task))
+    stop_after.append(site)
+    version = site.expect("instruction").instruction.model_version
+    assert server.coordinator.deadlines.server_saturated() is False
+    held = site.stub.DownloadModel(
+        pb.ModelRequest(version=version, session_token=site.token), timeout=60
+    )
+    next(held)  # the manifest: the one slot is granted, then nothing more is read
+    wait_for(server.coordinator.deadlines.server_saturated, 10, "the one slot to be taken")
+    held.cancel()
+    wait_for(lambda: not server.coordinator.deadlines.server_saturated(), 10, "the slot back")
+
+
+def test_the_slots_are_saturated_when_every_one_is_held_or_waited_for() -> None:
+    import asyncio
+
+    from fedtrain.runtime.server.transfer_slots import TransferSlots
+
+    async def scenario() -> list[bool]:
+        slots: TransferSlots[int] = TransferSlots(2)
+        seen = [slots.saturated]
+        release = asyncio.Event()
+
+        async def transfer(key: str) -> None:
+            async with slots.hold(key, lambda: 0, lambda _: None):
+                await release.wait()
+
+        tasks = [asyncio.create_task(transfer("a"))]
+        await asyncio.sleep(0)
+        seen.append(slots.saturated)  # one of two held
+        tasks.append(asyncio.create_task(transfer("b")))
+        await asyncio.sleep(0)
+        seen.append(slots.saturated)  # both held
+        release.set()
+        await asyncio.gather(*tasks)
+        seen.append(slots.saturated)
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, True, False]
+
+
 def test_a_site_is_never_dropped_when_the_round_would_then_fail(tmp_path) -> None:
     r = Round(tmp_path, ["a", "b"])
     measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)

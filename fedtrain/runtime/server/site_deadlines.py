@@ -21,6 +21,10 @@ CPU pool runs `enforce`):
   site's link. Outages are forgiven up to `grace_s` per attempt in all: a link so
   congested that its heartbeats keep getting stuck behind its own upload (silent,
   away, rejoin, again) is then judged like any other;
+* with no transfer in flight while every one of the server's transfer slots is taken
+  (thousands training at once): kept, checked again later; the server is what the
+  site waits for then (a connection not yet accepted, a call not yet taken), and the
+  round cannot end before the queue drains anyway;
 * otherwise (stalled, crawling, or computing far longer than measured) dropped from
   the attempt, audited `site_dropped` with the numbers; its transfers are cut
   (`on_drop` listeners), so it spends no more bytes on the round.
@@ -97,10 +101,16 @@ class SiteDeadlines:
         self._attempt: _Attempt | None = None
         self._listeners: list[DropListener] = []
         self._lock = threading.Lock()  # one `enforce` at a time
+        self.server_saturated: Callable[[], bool] = lambda: False
 
     def on_drop(self, listener: DropListener) -> None:
         """Call `listener(session, reason)` when a site is dropped at its deadline."""
         self._listeners.append(listener)
+
+    def saturated_when(self, saturated: Callable[[], bool]) -> None:
+        """`saturated()`: every one of the server's transfer slots is taken (called from
+        the CPU pool): then the server, not a site, sets the round's pace."""
+        self.server_saturated = saturated
 
     # -- the coordinator's thread -----------------------------------------------------------
     def begin(
@@ -264,4 +274,9 @@ class SiteDeadlines:
                 return None
         if whys:
             return "; ".join(whys)
+        if self.server_saturated():
+            # Every transfer slot is taken: the site may be on its way to the queue (its
+            # connection not yet accepted, its call not yet taken by the busy loop); the
+            # round cannot end before the queue drains, so waiting costs nothing.
+            return None
         return f"no transfer in flight (its compute was measured at {estimate.compute_s:.0f}s)"

@@ -51,6 +51,11 @@ class TransferSlots(Generic[_V]):
         return len(self._shared)
 
     @property
+    def saturated(self) -> bool:
+        """Every slot is held or waited for (safe to read from another thread)."""
+        return len(self._shared) >= self.limit
+
+    @property
     def waiting(self) -> int:
         """Transfers waiting for a slot while none is free (0 when one is free: the next
         one takes it at once)."""
