@@ -214,7 +214,7 @@ def test_a_site_without_a_transfer_waits_while_the_servers_slots_are_all_taken(
     whose transfer stalls is dropped either way."""
     r = Round(tmp_path, ["late", "stalled", "c"])
     saturated = [True]
-    r.deadlines.saturated_when(lambda: saturated[0])
+    r.deadlines.server_saturated = lambda: saturated[0]
     for site in ("late", "stalled"):
         measure(r.links, site, 100 * MB, 100 * MB, 40 * MB)  # deadline 6.6 s
     r.begin()

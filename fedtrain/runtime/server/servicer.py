@@ -169,7 +169,7 @@ class FedtrainServicer:
         self.held = HeldUploads(config.upload_grace_s)
         registry.on_leave(self.site_gone)
         coordinator.deadlines.on_drop(self.site_dropped)
-        coordinator.deadlines.saturated_when(lambda: self.transfer_slots.saturated)
+        coordinator.deadlines.server_saturated = lambda: self.transfer_slots.saturated
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:

@@ -101,16 +101,13 @@ class SiteDeadlines:
         self._attempt: _Attempt | None = None
         self._listeners: list[DropListener] = []
         self._lock = threading.Lock()  # one `enforce` at a time
+        #: Whether every one of the server's transfer slots is taken (the servicer sets
+        #: it; called from the CPU pool): then the server, not a site, sets the pace.
         self.server_saturated: Callable[[], bool] = lambda: False
 
     def on_drop(self, listener: DropListener) -> None:
         """Call `listener(session, reason)` when a site is dropped at its deadline."""
         self._listeners.append(listener)
-
-    def saturated_when(self, saturated: Callable[[], bool]) -> None:
-        """`saturated()`: every one of the server's transfer slots is taken (called from
-        the CPU pool): then the server, not a site, sets the round's pace."""
-        self.server_saturated = saturated
 
     # -- the coordinator's thread -----------------------------------------------------------
     def begin(
