@@ -71,9 +71,8 @@ def tune_allocator(environ: Mapping[str, str] = os.environ) -> bool:
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
     """The C library, found once: `find_library` runs `ldconfig` in a child process,
-    and a child of a server holding 10,000 connections, every time the heap is
-    trimmed, cost a spawn each time (and showed up as a second copy of the server's
-    resident memory while it ran)."""
+    which at every heap trim (every 10 s) was a spawn of a server holding 10,000
+    connections, counted as a second copy of its resident memory while it ran."""
     try:
         return ctypes.CDLL(ctypes.util.find_library("c"))
     except (OSError, TypeError):

@@ -23,10 +23,9 @@ from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.task import task_fingerprint
 
 
-@pytest.mark.parametrize(("threshold", "asked"), [(3, True), (2, True), (4, False), (0, False)])
-def test_the_server_asks_for_own_connections_from_the_configured_number_of_sites(
-    tmp_path, stop_after, threshold, asked
-) -> None:
+def _three_sites(tmp_path: Any, stop_after: list[Any], threshold: int) -> tuple[Any, list]:
+    """A server waiting for 3 sites (`own_upload_connection_sites = threshold`) and the
+    3 sites joined, all stopped after the test."""
     task = TinyTask()
     server = inprocess_server(
         tmp_path, task, sites=3, transfers={"own_upload_connection_sites": threshold}
@@ -34,15 +33,19 @@ def test_the_server_asks_for_own_connections_from_the_configured_number_of_sites
     stop_after.append(server)
     fingerprint = task_fingerprint(task)
     sites = [FakeSite(server.port, f"s{i}", fingerprint) for i in range(3)]
-    try:
-        for site in sites:
-            instruction = site.expect("instruction").instruction
-            assert instruction.kind == pb.TRAIN
-            assert instruction.own_upload_connection is asked
-    finally:
-        for site in sites:
-            site.outbox.put(None)
-            site.channel.close()
+    stop_after.extend(sites)
+    return server, sites
+
+
+@pytest.mark.parametrize(("threshold", "asked"), [(3, True), (2, True), (4, False), (0, False)])
+def test_the_server_asks_for_own_connections_from_the_configured_number_of_sites(
+    tmp_path, stop_after, threshold, asked
+) -> None:
+    _, sites = _three_sites(tmp_path, stop_after, threshold)
+    for site in sites:
+        instruction = site.expect("instruction").instruction
+        assert instruction.kind == pb.TRAIN
+        assert instruction.own_upload_connection is asked
 
 
 def _attached(server: Any, peers: list[str]) -> None:
@@ -121,25 +124,15 @@ def test_where_the_room_is_short_the_first_sites_get_their_own_and_the_rest_shar
 
     monkeypatch.setattr(coordinator, "own_upload_room", lambda config, connected: 2)
     caplog.set_level(logging.INFO, logger="fedtrain.runtime.server.coordinator")
-    task = TinyTask()
-    server = inprocess_server(tmp_path, task, sites=3, transfers={"own_upload_connection_sites": 1})
-    stop_after.append(server)
-    fingerprint = task_fingerprint(task)
-    sites = [FakeSite(server.port, f"s{i}", fingerprint) for i in range(3)]
-    try:
-        asked = {
-            site.name: site.expect("instruction").instruction.own_upload_connection
-            for site in sites
-        }
-        assert sorted(asked.values()) == [False, True, True], asked
-        state = server.coordinator.current
-        assert state.own_uploads == {name for name, own in asked.items() if own}
-        assert "2 of 3 site(s) send their update on a connection of their own" in caplog.text
-        for site in sites:  # as after a rejoin: the same instruction, the same choice
-            server.coordinator.rejoined(server.registry.get(site.name))
-            again = site.expect("instruction").instruction
-            assert again.own_upload_connection is asked[site.name]
-    finally:
-        for site in sites:
-            site.outbox.put(None)
-            site.channel.close()
+    server, sites = _three_sites(tmp_path, stop_after, 1)
+    asked = {
+        site.name: site.expect("instruction").instruction.own_upload_connection for site in sites
+    }
+    assert sorted(asked.values()) == [False, True, True], asked
+    state = server.coordinator.current
+    assert state.own_uploads == {name for name, own in asked.items() if own}
+    assert "2 of 3 site(s) send their update on a connection of their own" in caplog.text
+    for site in sites:  # as after a rejoin: the same instruction, the same choice
+        server.coordinator.rejoined(server.registry.get(site.name))
+        again = site.expect("instruction").instruction
+        assert again.own_upload_connection is asked[site.name]
