@@ -7,6 +7,7 @@ twice; silent sites are disconnected.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from fedtrain.config import from_dict
 from fedtrain.runtime import wire
 from fedtrain.runtime.config import SiteConfig
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
+from fedtrain.runtime.server import servicer
 from fedtrain.runtime.server.app import AggregationServer
 from fedtrain.runtime.server.audit import read_audit
 from fedtrain.runtime.site.daemon import SiteDaemon
@@ -490,3 +492,19 @@ def test_one_site_cannot_take_every_transfer_slot_with_downloads_it_never_reads(
     finally:
         for call in stuck:
             call.cancel()
+
+
+@pytest.mark.parametrize(("lines_sites", "level"), [(2, "INFO"), (1, "DEBUG")])
+def test_each_update_is_logged_at_info_only_while_few_sites_are_connected(
+    tmp_path, stop_after, caplog, monkeypatch, lines_sites, level
+) -> None:
+    """A round of 1,000 must not write 1,000 lines; audit.jsonl records each upload."""
+    monkeypatch.setattr(servicer, "UPLOAD_LINES_SITES", lines_sites)
+    caplog.set_level(logging.DEBUG, logger="fedtrain.runtime.server.servicer")
+    server, alpha, _ = _alpha_and_beta(tmp_path, stop_after)
+    version = alpha.expect("instruction").instruction.model_version
+    delta = server.coordinator.global_model.state.clone()
+    alpha.upload([alpha.header(1, model_version=version), *chunk_messages(delta.chunks(CHUNK))])
+    lines = [r for r in caplog.records if "update of" in r.getMessage()]
+    assert [(r.levelname, "'alpha', round 1" in r.getMessage()) for r in lines] == [(level, True)]
+    assert [r["site"] for r in _audit(server) if r["event"] == "upload"] == ["alpha"]
