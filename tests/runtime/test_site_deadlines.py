@@ -158,6 +158,25 @@ def test_a_site_still_moving_at_its_measured_rate_is_kept_past_its_deadline(tmp_
     assert "upload 12.5 of 40.0 MB at 1.6 Mbit/s, its link measured 8.0 Mbit/s" in record["reason"]
 
 
+def test_a_transfer_that_moved_no_byte_yet_is_judged_as_a_stall_not_a_crawl(tmp_path) -> None:
+    """A slot just granted: the go-ahead's round trip (and a busy server's pool and loop)
+    come before the first byte, which is no rate; once it lasts stall_s it is a stall."""
+    r = Round(tmp_path, ["a", "b"], stall_s=20.0)
+    measure(r.links, "a", 4 * MB, 1 * MB, 40 * MB)  # deadline 105 s
+    r.begin()
+    meter = r.links.meter("a", "up")
+    meter.expect(40 * MB)
+    for at, idle in ((110, 1.0), (125, 16.0)):
+        r.sessions["a"].last_seen = r.t0 + at  # heartbeats arrive: no outage
+        meter.watched = Watched(0.0, r.t0 + at - idle)
+        assert r.enforce(at=at) == [], at
+    r.sessions["a"].last_seen = r.t0 + 130
+    meter.watched = Watched(0.0, r.t0 + 109)
+    assert r.enforce(at=130) == ["a"]
+    (record,) = r.dropped_records()
+    assert "stalled, no bytes for 21s (upload 0.0 of 40.0 MB)" in record["reason"]
+
+
 def test_an_outage_is_judged_by_the_grace_and_its_length_added_to_the_deadline(
     tmp_path,
 ) -> None:

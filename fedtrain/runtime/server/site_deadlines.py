@@ -262,6 +262,11 @@ class SiteDeadlines:
             idle = watched.idle_s(now)
             if idle >= stall_s:
                 whys.append(f"stalled, no bytes for {idle:.0f}s ({describe(meter)})")
+            elif not meter.nbytes:
+                # Nothing moved yet is no rate: the go-ahead's round trip, and with a busy
+                # server its pool and loop, come before a first byte (an all-10,000 round
+                # dropped 13 sites a second after their slot came). A stall once it lasts.
+                return None
             elif measured is not None and watched.bps * slack < measured:
                 whys.append(
                     f"{describe(meter)} at {mbit(watched.bps)} Mbit/s, its link measured "
