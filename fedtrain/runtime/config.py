@@ -310,9 +310,12 @@ class ServerConfig:
         "heartbeat.timeout_s + heartbeat.grace_s, the longest a site may be away.",
     )
     cpu_threads: int = option(
-        2,
+        1,
         "Threads for the server's CPU work (validating and folding chunks, protocol "
-        "messages); connections and streams cost no thread.",
+        "messages; also torch's thread count); connections and streams cost no thread. "
+        "Each thread competes with the event loop for Python's lock: with 10,000 sites, 1 "
+        "cost 4-7% less server CPU per round of 1,000 than 2, and 100M-parameter rounds "
+        "took as long (benchmarks/RESULTS.md).",
     )
     upload_memory_mb: int = option(
         1024,
