@@ -55,6 +55,7 @@ import torch
 from benchmarks.procstats import tree_processes, tree_rss
 from benchmarks.status_probe import status_seconds
 from fedtrain.runtime import wire
+from fedtrain.runtime.allocator import tune_allocator
 from fedtrain.runtime.demo import dump_toml, free_port
 from fedtrain.runtime.proto import fedtrain_pb2 as pb
 from fedtrain.runtime.proto import fedtrain_pb2_grpc as pb_grpc
@@ -274,6 +275,7 @@ class SwarmSite:
 # -- a swarm process ------------------------------------------------------------------------
 def swarm_process(conn: Connection, address: str, fingerprint: str, indices: list[int]) -> None:
     """Hold the sites `indices`; join the first `n` when told ("join", n); report ("stats")."""
+    tune_allocator()  # as a site daemon's process does (its 400 KB messages reuse heap pages)
     asyncio.run(_swarm(conn, address, fingerprint, indices))
 
 
