@@ -70,14 +70,14 @@ def test_a_socket_that_cannot_be_bound_leaves_the_server_serving(
     mounts): gRPC cannot bind; the server starts without the socket and says why."""
     from fedtrain.runtime.server import local_status
 
-    bind = grpc.aio._server.Server.add_insecure_port
+    bind = grpc._server._Server.add_insecure_port
 
-    def cannot_bind(self: grpc.aio.Server, address: str) -> int:
+    def cannot_bind(self: grpc.Server, address: str) -> int:
         if address.startswith("unix:"):
             raise RuntimeError(f"Failed to bind to address {address}")
         return bind(self, address)
 
-    monkeypatch.setattr(grpc.aio._server.Server, "add_insecure_port", cannot_bind)
+    monkeypatch.setattr(grpc._server._Server, "add_insecure_port", cannot_bind)
     server = inprocess_server(tmp_path, TinyTask(), status_socket=True)
     server.stop()
     assert not (tmp_path / "run" / local_status.SOCKET_NAME).exists()
@@ -102,8 +102,8 @@ def test_a_second_server_on_the_run_dir_neither_takes_nor_removes_the_first_ones
     # leaves the new socket in place
     old = inprocess_server(tmp_path, TinyTask(), sites=2)
     local = old._local_status
-    assert local is not None and local._server is not None and local._thread is not None
-    local._thread.run(local._server.stop(0), 10)
+    assert local is not None and local._server is not None
+    local._server.stop(0).wait(10)
     new = inprocess_server(tmp_path, TinyTask(), sites=2)
     try:
         old.stop()

@@ -18,17 +18,22 @@ import shutil
 import socket
 import stat
 import tempfile
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 
 from fedtrain.errors import ConfigError
-from fedtrain.runtime.server.status_listener import StatusListener
+from fedtrain.runtime.server.status_listener import OPTIONS, StatusListener, status_handler
 from fedtrain.runtime.server.status_service import StatusService
 
 log = logging.getLogger(__name__)
 
 SOCKET_NAME = "status.sock"
+#: Threads answering Status on the socket: its callers are the operator's `fedtrain
+#: status` and a liveness probe, each a call of milliseconds (a caller that opens a
+#: call and never asks holds one; only the server's own user can reach the socket).
+HANDLER_THREADS = 4
 #: sun_path holds 108 bytes with its terminating NUL; a longer path cannot be bound.
 MAX_SOCKET_PATH = 107
 
@@ -64,6 +69,7 @@ class LocalStatus(StatusListener):
         self.run_dir = Path(run_dir).resolve()
         self.path = self.run_dir / SOCKET_NAME
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket
+        self._server: grpc.Server | None = None
 
     def start(self) -> bool:
         """Listen; False, with a warning saying why, when it cannot. The socket is a
@@ -79,7 +85,23 @@ class LocalStatus(StatusListener):
         log.warning("no local status socket at %s: %s", self.path, why)
         return False
 
-    def _bind(self, server: grpc.aio.Server) -> int:
+    def _start(self) -> None:
+        # grpc's synchronous server, with no event loop of its own: every loop that uses
+        # grpc.aio in a process is woken for the process's gRPC completions (grpc.aio has
+        # one poller, and a loop passes on what another loop's calls need), so a loop here
+        # carried a share of the rounds' completions (benchmarks/RESULTS.md). The socket
+        # needs no challenge (the file system checks the caller), so threads do.
+        server = grpc.server(
+            futures.ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix=self.thread_name),
+            handlers=(status_handler(self.service.method(blocking=True)),),
+            options=OPTIONS,
+        )
+        self._server = server
+        self._halt = lambda grace: server.stop(grace).wait(grace + 5)
+        self._bind(server)
+        server.start()
+
+    def _bind(self, server: grpc.Server | grpc.aio.Server) -> int:
         # Bound in a private (0700) directory, made owner-only, then moved into place in
         # one step: no moment in which another user of the host could connect, and no
         # process-wide umask change racing with other threads' files.

@@ -3,19 +3,22 @@
 Why a second listener: the main gRPC server's event loop accepts new calls one at a
 time, interleaved with every site's transfers; during a round with a thousand sites a
 Status call waits seconds in that queue, and a probe that asks there could restart a
-server for being busy. A `StatusListener` has its own thread, event loop and gRPC
-server, which serves only the Status method of the Fedtrain service (any other method
-is UNIMPLEMENTED there), so it answers in milliseconds however busy the rounds are.
+server for being busy. A `StatusListener` has threads and a gRPC server of its own,
+which serves only the Status method of the Fedtrain service (any other method is
+UNIMPLEMENTED there), so it answers in milliseconds however busy the rounds are.
 
-Subclasses say where it listens: `LocalStatus` (`local_status.py`) on an owner-only
-Unix socket in the run directory, where the file system decides who may ask;
+Subclasses say where it listens and how: `LocalStatus` (`local_status.py`) on an
+owner-only Unix socket in the run directory, where the file system decides who may
+ask, with grpc's synchronous server (no second grpc.aio loop: it says why);
 `StatusPort` (here) on a TCP address of its own (`status_address`), for operators and
-probes on other hosts, with exactly the sites' port's security.
+probes on other hosts, with exactly the sites' port's security, on a grpc.aio loop of
+its own (its challenges need one).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -37,9 +40,11 @@ OPTIONS = [
 
 
 class StatusListener:
-    """Serves `service` from a thread of its own once started; `stop()` ends it.
+    """Serves `service` from threads of its own once started; `stop()` ends it.
 
-    The service's snapshot and health must be safe to call from that thread."""
+    The service's snapshot and health must be safe to call from those threads.
+    Subclasses start a server (`_start`, which sets `_halt`) and say where it listens
+    (`_bind`)."""
 
     thread_name = "fedtrain-status"
 
@@ -47,38 +52,25 @@ class StatusListener:
         self.service = service
         #: The bound TCP port (0 for a Unix socket) once started.
         self.port = 0
-        self._thread: LoopThread | None = None
-        self._server: grpc.aio.Server | None = None
+        #: Stops the started server within a grace (seconds); None when not running.
+        self._halt: Callable[[float], None] | None = None
 
-    def _bind(self, server: grpc.aio.Server) -> int:
+    def _bind(self, server: grpc.Server | grpc.aio.Server) -> int:
         """Add this listener's port to `server` (not yet started); the bound port."""
+        raise NotImplementedError
+
+    def _start(self) -> None:
         raise NotImplementedError
 
     def _release(self) -> None:
         """What to clean up once the server stopped (nothing by default)."""
 
-    def _start(self) -> None:
-        self._thread = LoopThread(self.thread_name)
-        self._thread.start()
-        self.port = self._thread.run(self._listen(), 30)
-
-    async def _listen(self) -> int:
-        server = grpc.aio.server(options=OPTIONS)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(rpc.SERVICE, {"Status": self.service.method()}),)
-        )
-        port = self._bind(server)
-        self._server = server
-        await server.start()
-        return port
-
     def stop(self, grace: float = 0.5) -> None:
         """Stop answering and clean up (idempotent)."""
-        thread, self._thread = self._thread, None
-        if thread is None:
+        halt, self._halt = self._halt, None
+        if halt is None:
             return
-        server = self._server
-        thread.stop(server.stop(grace) if server is not None else None, grace + 5)
+        halt(grace)
         self._release()
 
 
@@ -95,6 +87,7 @@ class StatusPort(StatusListener):
         super().__init__(service)
         self.address = address
         self._credentials = credentials
+        self._server: grpc.aio.Server | None = None
 
     def start(self) -> int:
         """Listen; the bound port. An operator who asked for a status port expects it:
@@ -112,5 +105,28 @@ class StatusPort(StatusListener):
         )
         return self.port
 
-    def _bind(self, server: grpc.aio.Server) -> int:
+    def _start(self) -> None:
+        # grpc.aio, on a loop of its own: the challenge's timeout (`PeerCheck`) and up
+        # to hundreds of unanswered challenges need coroutines, not threads.
+        thread = LoopThread(self.thread_name)
+        thread.start()
+        self._halt = lambda grace: thread.stop(
+            self._server.stop(grace) if self._server is not None else None, grace + 5
+        )
+        thread.run(self._listen(), 30)
+
+    async def _listen(self) -> None:
+        """On the listener's loop (a grpc.aio server belongs to the loop it is made on)."""
+        server = grpc.aio.server(options=OPTIONS)
+        server.add_generic_rpc_handlers((status_handler(self.service.method()),))
+        self.port = self._bind(server)
+        self._server = server
+        await server.start()
+
+    def _bind(self, server: grpc.Server | grpc.aio.Server) -> int:
         return rpc.add_port(server, self.address, self._credentials, key="status_address")
+
+
+def status_handler(method: grpc.RpcMethodHandler) -> grpc.GenericRpcHandler:
+    """A generic handler that serves only Status (any other method is UNIMPLEMENTED)."""
+    return grpc.method_handlers_generic_handler(rpc.SERVICE, {"Status": method})

@@ -11,7 +11,7 @@ while it hangs.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -48,19 +48,42 @@ class StatusService:
             first = await first_message(context)
             if first is None:
                 return
+        answer = self.answer(first)
+        if isinstance(answer, str):
+            await abort(context, grpc.StatusCode.UNAVAILABLE, answer)
+        await context.write(answer)
+
+    def answer(self, first: pb.StatusRequest) -> pb.StatusMessage | str:
+        """The reply to `first`, or why the server cannot serve its sites now (the call
+        then fails with UNAVAILABLE). Answered where it is asked, not on the pool: a
+        snapshot takes no round lock (milliseconds even with 10,000 sites), and behind a
+        round's queued chunk work it would wait seconds."""
         unhealthy = self._health()
         if unhealthy is not None:
-            await abort(context, grpc.StatusCode.UNAVAILABLE, unhealthy)
+            return unhealthy
         page = status.SitePage(first.sites_offset, first.max_sites or status.DEFAULT_PAGE)
-        # On the loop, not the pool: a snapshot takes no round lock (milliseconds even
-        # with 10,000 sites), and behind a round's queued chunk work it would wait seconds.
-        state = self._snapshot(page)
-        await context.write(pb.StatusMessage(reply=status.to_proto(state)))
+        return pb.StatusMessage(reply=status.to_proto(self._snapshot(page)))
 
-    def method(self) -> grpc.RpcMethodHandler:
-        """The Status method's handler, for a server's generic handler."""
+    def serve_blocking(
+        self, requests: Iterator[pb.StatusRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.StatusMessage]:
+        """Status on grpc's synchronous server, for a caller the file system already
+        checked (the run dir's socket: no `PeerCheck`, whose challenges need a loop)."""
+        assert self._peers is None, "a peer check needs the asyncio handler"
+        try:
+            first = next(requests)
+        except (StopIteration, grpc.RpcError):  # the caller ended or cancelled the call
+            return
+        answer = self.answer(first)
+        if isinstance(answer, str):
+            context.abort(grpc.StatusCode.UNAVAILABLE, answer)
+        yield answer
+
+    def method(self, *, blocking: bool = False) -> grpc.RpcMethodHandler:
+        """The Status method's handler, for a grpc.aio server's generic handler (or, with
+        `blocking`, a synchronous server's)."""
         return grpc.stream_stream_rpc_method_handler(
-            self.Status,
+            self.serve_blocking if blocking else self.Status,
             request_deserializer=pb.StatusRequest.FromString,
             response_serializer=pb.StatusMessage.SerializeToString,
         )
