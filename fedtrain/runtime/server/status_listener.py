@@ -60,6 +60,7 @@ class StatusListener:
         raise NotImplementedError
 
     def _start(self) -> None:
+        """Start the server (bound by `_bind`) and set `_halt` to stop it."""
         raise NotImplementedError
 
     def _release(self) -> None:
